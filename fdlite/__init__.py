@@ -1,0 +1,14 @@
+"""fdlite: offline batch inference for LLMs on PaddlePaddle, with vLLM's API names."""
+
+import logging as _logging
+
+from fdlite.config import EngineConfig, GraphOptimizationConfig
+from fdlite.llm import LLM
+from fdlite.outputs import CompletionOutput, Logprob, RequestOutput
+from fdlite.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig",
+           "GraphOptimizationConfig", "__version__"]
+
+_logging.getLogger("fdlite").addHandler(_logging.NullHandler())

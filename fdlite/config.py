@@ -1,0 +1,147 @@
+"""Every engine option, in one place, with FastDeploy's names and defaults.
+
+`EngineConfig` is what `LLM(...)`, a YAML job and the CLI all fill: each field's help string
+lives in its `metadata` and is the only copy (the CLI and the README table read it from here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str, **kw) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def unknown_key_error(kind: str, key: str, known: list[str]) -> ValueError:
+    """A ValueError naming the unknown key and the closest known one."""
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ValueError(f"unknown {kind} '{key}'{hint}")
+
+
+@dataclass
+class GraphOptimizationConfig:
+    """FastDeploy's `graph_optimization_config`: static graph level and CUDA-graph capture."""
+
+    graph_opt_level: int = _opt(0, "0: dynamic graph; 1: static graph via SOT; 2: static graph + CINN compiler.")
+    use_cudagraph: bool = _opt(False, "Capture CUDA graphs per padded decode batch size (GPU only).")
+    cudagraph_capture_sizes: list[int] | None = _opt(
+        None, "Batch sizes to capture; default: FastDeploy's candidate list cut to [1, max_num_seqs]."
+    )
+    cudagraph_only_prefill: bool = _opt(False, "Capture prefill-only batches keyed by token count instead of decode.")
+    max_capture_size: int | None = _opt(None, "Largest size captured (default: max_num_seqs, or 512 for prefill).")
+
+    def __post_init__(self) -> None:
+        if self.graph_opt_level not in (0, 1, 2):
+            raise ValueError(f"graph_optimization_config.graph_opt_level must be 0, 1 or 2, got {self.graph_opt_level!r}")
+        for name in ("use_cudagraph", "cudagraph_only_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"graph_optimization_config.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.cudagraph_capture_sizes is not None:
+            sizes = self.cudagraph_capture_sizes
+            if not isinstance(sizes, list) or not sizes or any(
+                not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes
+            ):
+                raise ValueError(
+                    f"graph_optimization_config.cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}"
+                )
+
+    @classmethod
+    def parse(cls, value: Any) -> GraphOptimizationConfig:
+        """Accept the dataclass, a dict, a JSON string or None, like FastDeploy's CLI."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"graph_optimization_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"graph_optimization_config must be a dict or JSON string, got {type(value).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in value:
+            if key not in known:
+                raise unknown_key_error("graph_optimization_config key", key, known)
+        return cls(**value)
+
+
+@dataclass
+class EngineConfig:
+    """All options of `LLM`. Names and defaults follow FastDeploy's parameter table."""
+
+    model: str | None = _opt(None, "Model folder in the Hugging Face layout; None uses the built-in default model.")
+    tokenizer: str | None = _opt(None, "Tokenizer folder; defaults to the model folder.")
+    skip_tokenizer_init: bool = _opt(False, "Load no tokenizer: prompts must be token ids and outputs have no text.")
+    dtype: str = _opt("auto", "Weight/activation dtype: auto (from config.json), float32, bfloat16 or float16.")
+    max_model_len: int = _opt(2048, "Longest sequence (prompt + output) in tokens.")
+    max_num_seqs: int = _opt(8, "Most sequences decoded at once (the batch size).")
+    max_num_batched_tokens: int | None = _opt(None, "Token budget of one step, prefill and decode together (default: max_model_len).")
+    block_size: int = _opt(64, "Tokens per KV-cache block.")
+    gpu_memory_utilization: float = _opt(0.9, "Share of GPU memory fdlite may use (weights, activations, KV cache, graphs).")
+    num_gpu_blocks_override: int | None = _opt(None, "Use exactly this many KV-cache blocks instead of profiling.")
+    kv_cache_memory_bytes: int | None = _opt(None, "KV-cache byte budget on CPU (default 1 GiB); on GPU profiling sizes the cache.")
+    tensor_parallel_size: int = _opt(1, "Number of GPUs the model is split across.")
+    enable_prefix_caching: bool = _opt(False, "Reuse KV blocks of shared prompt prefixes.")
+    enable_chunked_prefill: bool = _opt(False, "Split long prompts across steps so decodes keep running.")
+    max_num_partial_prefills: int = _opt(1, "With chunked prefill: most prompts prefilled at once.")
+    max_long_partial_prefills: int = _opt(1, "With chunked prefill: most long prompts prefilled at once.")
+    long_prefill_token_threshold: int | None = _opt(None, "With chunked prefill: prompts longer than this are long (default max_model_len*0.04).")
+    graph_optimization_config: GraphOptimizationConfig = _opt(
+        None, "Graph optimization: dict or JSON with graph_opt_level, use_cudagraph, cudagraph_capture_sizes."
+    )
+    enable_custom_all_reduce: bool = _opt(False, "Use fdlite's CUDA-graph-safe custom all-reduce across GPUs.")
+    seed: int = _opt(0, "Seed of the engine's random generator (requests without their own seed draw from it).")
+
+    def __post_init__(self) -> None:
+        self.graph_optimization_config = GraphOptimizationConfig.parse(self.graph_optimization_config)
+        positive = ("max_model_len", "max_num_seqs", "block_size", "tensor_parallel_size",
+                    "max_num_partial_prefills", "max_long_partial_prefills")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes",
+                     "long_prefill_token_threshold"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = self.max_model_len
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}): the longest prompt could never be scheduled; raise it or enable_chunked_prefill"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = max(1, int(self.max_model_len * 0.04))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword options, naming any unknown one (with a close match)."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in kwargs:
+            if key not in known:
+                raise unknown_key_error("option", key, known)
+        return cls(**kwargs)
+
+    @staticmethod
+    def help_table() -> list[tuple[str, Any, str]]:
+        """(name, default, help) for every option: the CLI and README read this."""
+        return [(f.name, f.default, f.metadata["help"]) for f in dataclasses.fields(EngineConfig)]

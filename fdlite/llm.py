@@ -1,0 +1,224 @@
+"""`LLM`: the public object. Startup pipeline, then `generate` and `chat` with continuous batching."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+import numpy as np
+
+from fdlite.config import EngineConfig
+from fdlite.default_model import default_model_path
+from fdlite.detokenizer import IncrementalDetokenizer
+from fdlite.models.model_config import ModelConfig
+from fdlite.ops.sampler import make_generator
+from fdlite.outputs import CompletionOutput, RequestOutput
+from fdlite.progress import Progress
+from fdlite.runner.engine import Engine
+from fdlite.runner.model_runner import ModelRunner
+from fdlite.runner.sequence import Sequence
+from fdlite.sampling_params import SamplingParams
+from fdlite.tokenizer import Tokenizer
+
+logger = logging.getLogger("fdlite")
+
+PromptType = str | dict | list[int]
+
+
+class LLM:
+    """An offline LLM engine: one object owns the model, the KV cache and the batch loop.
+
+    `LLM(model, **options)` takes every option of `EngineConfig` by name (FastDeploy's names);
+    `model=None` uses the built-in default model (random weights, real Qwen3 tokenizer).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        t_start = time.perf_counter()
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.model_path = model or default_model_path()
+        self.startup_report: dict[str, Any] = {}
+
+        t = time.perf_counter()
+        self.model_config = ModelConfig.from_dir(self.model_path)
+        self.tokenizer = None
+        if not self.config.skip_tokenizer_init:
+            self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.model_path)
+        self.runner = ModelRunner(self.config, self.model_path, self.model_config)
+        self._phase("load_weights", t)
+
+        t = time.perf_counter()
+        num_blocks = self.runner.num_blocks_from_budget()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        logger.info(
+            "Reset block num, the total_block_num:%d, block_size:%d, token capacity:%d",
+            num_blocks, self.config.block_size, num_blocks * self.config.block_size,
+        )
+        self.startup_report.update(total_block_num=num_blocks, kv_token_capacity=num_blocks * self.config.block_size,
+                                   bytes_per_block=self.runner.bytes_per_block)
+        self._phase("kv_cache", t)
+
+        eos = set(self.model_config.eos_token_id)
+        if self.tokenizer is not None:
+            eos |= self.tokenizer.eos_token_ids
+        self.engine = Engine(self.config, self.runner, num_blocks, eos, self.tokenizer)
+        self._rng = np.random.default_rng(self.config.seed)
+        self.startup_report["total_s"] = time.perf_counter() - t_start
+
+    def _phase(self, name: str, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.startup_report[f"{name}_s"] = dt
+        logger.info("startup phase %s: %.2f s", name, dt)
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this LLM was built with skip_tokenizer_init=True")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, SequenceABC) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _request_problem(self, ids: list[int], params: SamplingParams) -> str | None:
+        if not ids:
+            return "prompt is empty"
+        if len(ids) >= self.config.max_model_len:
+            return (f"prompt has {len(ids)} tokens; max_model_len={self.config.max_model_len} leaves no room "
+                    "for output")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if t < 0 or t >= vocab), None)
+        if bad is not None:
+            return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+        return None
+
+    def generate(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order.
+
+        A prompt is a string, a list of token ids, or a dict with `prompt` or `prompt_token_ids`.
+        A request that cannot run (empty, too long, bad token ids) comes back with `error` set and
+        finish_reason "error"; the other requests of the batch complete normally.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, (int, np.integer)) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one, or one per prompt"
+                )
+        outputs: list[RequestOutput] = []
+        live: list[tuple[RequestOutput, list[Sequence]]] = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            text, ids = self._prompt_ids(prompt)
+            out = RequestOutput(request_id=str(i), prompt=text, prompt_token_ids=ids)
+            outputs.append(out)
+            problem = self._request_problem(ids, params)
+            if problem is not None:
+                self._fail(out, problem)
+                continue
+            seqs = [self._new_sequence(i, k, ids, params) for k in range(params.n)]
+            live.append((out, seqs))
+        self._run(live, use_tqdm)
+        for out, seqs in live:
+            out.outputs = [self._completion(s) for s in seqs]
+            out.finished = True
+            out.metrics = {
+                "arrival_time": min(s.arrival_time for s in seqs),
+                "first_token_time": min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+                "finish_time": max(s.finish_time for s in seqs),
+                "num_preemptions": sum(s.num_preemptions for s in seqs),
+            }
+        return outputs
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                               chat_template=chat_template, **(chat_template_kwargs or {}))
+            for conv in conversations
+        ]
+        # The template already placed the special tokens.
+        prompts = [{"prompt": p, "prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _new_sequence(self, index: int, child: int, ids: list[int], params: SamplingParams) -> Sequence:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                           stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        return Sequence(request_index=index, child_index=child, prompt_token_ids=ids, params=params,
+                        generator=make_generator(params.seed, child, self._rng), detokenizer=detok)
+
+    def _fail(self, out: RequestOutput, problem: str) -> None:
+        logger.warning("request %s failed: %s", out.request_id, problem)
+        out.error = problem
+        out.finished = True
+        out.outputs = [CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")]
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        return CompletionOutput(
+            index=seq.child_index,
+            text=seq.detokenizer.text if seq.detokenizer is not None else "",
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs,
+            cumulative_logprob=seq.cumulative_logprob,
+        )
+
+    def _run(self, live: list[tuple[RequestOutput, list[Sequence]]], use_tqdm: bool) -> None:
+        remaining = {}
+        for out, seqs in live:
+            remaining[seqs[0].request_index] = len(seqs)
+            for s in seqs:
+                self.engine.add(s)
+        progress = Progress(total=len(live), enabled=use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                finished, _ = self.engine.step()
+                for seq in finished:
+                    progress.add_tokens(0, len(seq.output_token_ids))
+                    remaining[seq.request_index] -= 1
+                    if remaining[seq.request_index] == 0:
+                        progress.request_done(seq.num_prompt_tokens)
+        finally:
+            progress.close()

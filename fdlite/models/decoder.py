@@ -1,0 +1,141 @@
+"""The decoder-only transformer that Qwen2/2.5, Qwen3 and Llama 3 share, as Paddle layers.
+
+The families differ in three switches (`DecoderSpec`): bias on q/k/v, RMSNorm on q and k per
+head, and the rope scaling (read from config). Weights keep the Hugging Face [out, in] layout and
+are used with `transpose_y=True`, so loading is a copy, not a transpose; q/k/v and gate/up are
+fused into one matrix each (fewer kernel launches per layer).
+
+`forward(ids_remove_padding, forward_meta)` takes the flat token batch (FastDeploy's argument
+names, which `support_graph_optimization` relies on) and returns hidden states per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fdlite.models.model_config import ModelConfig
+from fdlite.ops.activation import silu_and_mul
+from fdlite.ops.attention import paged_attention
+from fdlite.ops.forward_meta import ForwardMeta
+from fdlite.ops.norm import RMSNorm
+from fdlite.ops.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+class Linear(nn.Layer):
+    """y = x @ W^T (+ b) with W in the Hugging Face [out, in] layout."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str):
+        super().__init__()
+        self.weight = self.create_parameter([out_features, in_features], dtype=dtype)
+        self.bias = self.create_parameter([out_features], dtype=dtype, is_bias=True) if bias else None
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        y = paddle.matmul(x, self.weight, transpose_y=True)
+        return y + self.bias if self.bias is not None else y
+
+
+class Embedding(nn.Layer):
+    def __init__(self, num_embeddings: int, dim: int, dtype: str):
+        super().__init__()
+        self.weight = self.create_parameter([num_embeddings, dim], dtype=dtype)
+
+    def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class DecoderAttention(nn.Layer):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, max_positions: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias or cfg.attention_bias, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.attention_bias, dtype)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = RotaryEmbedding(self.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+
+    def forward(self, positions: paddle.Tensor, hidden: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
+        q = q.reshape([-1, self.num_heads, self.head_dim])
+        k = k.reshape([-1, self.num_kv_heads, self.head_dim])
+        v = v.reshape([-1, self.num_kv_heads, self.head_dim])
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = meta.caches[self.layer_id]
+        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+
+
+class DecoderMLP(nn.Layer):
+    def __init__(self, cfg: ModelConfig, dtype: str):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Layer):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, max_positions: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = DecoderAttention(cfg, spec, layer_id, dtype, max_positions)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = DecoderMLP(cfg, dtype)
+
+    def forward(self, positions, hidden, meta):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Layer):
+    """Embedding, layers, final norm: the part a graph backend translates and captures."""
+
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, dtype: str, max_positions: int):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.LayerList([DecoderLayer(cfg, spec, i, dtype, max_positions) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, ids_remove_padding: paddle.Tensor, positions: paddle.Tensor, forward_meta: ForwardMeta):
+        hidden = self.embed_tokens(ids_remove_padding)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, forward_meta)
+        return self.norm(hidden)
+
+
+class DecoderForCausalLM(nn.Layer):
+    """A decoder plus its LM head (tied to the embedding when the config says so)."""
+
+    spec = DecoderSpec()
+
+    def __init__(self, cfg: ModelConfig, dtype: str, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, self.spec, dtype, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+
+    def forward(self, ids_remove_padding, positions, forward_meta):
+        return self.model(ids_remove_padding=ids_remove_padding, positions=positions, forward_meta=forward_meta)
+
+    def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return paddle.matmul(hidden, weight, transpose_y=True).astype("float32")

@@ -1,0 +1,64 @@
+"""The step loop: schedule, run the model, sample, detokenize, check stops, free finished blocks."""
+
+from __future__ import annotations
+
+import time
+
+from fdlite.config import EngineConfig
+from fdlite.kvcache.block_allocator import BlockAllocator
+from fdlite.runner.model_runner import ModelRunner
+from fdlite.runner.scheduler import Scheduler
+from fdlite.runner.sequence import Sequence
+from fdlite.runner.stop_checker import check_stop
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, num_blocks: int, eos_token_ids: set[int], tokenizer=None):
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.allocator)
+        self.num_steps = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> tuple[list[Sequence], int]:
+        """Run one step; return (sequences finished in it, tokens computed in it)."""
+        batch = self.scheduler.schedule()
+        if not batch.rows:
+            raise RuntimeError("scheduler made no progress: a sequence cannot fit the KV cache")
+        result = self.runner.execute(batch.rows, self.eos_token_ids)
+        self.num_steps += 1
+        for seq, n in batch.rows:
+            seq.num_computed_tokens += n
+        finished = []
+        if result.sampled is None:
+            return finished, batch.num_tokens
+        now = time.perf_counter()
+        out = result.sampled
+        for i, seq in enumerate(result.inputs.sample_seqs):
+            token = out.token_ids[i]
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.cumulative_logprob += out.sampled_logprobs[i]
+            if seq.params.logprobs is not None:
+                seq.logprobs = seq.logprobs if seq.logprobs is not None else []
+                entry = out.logprobs[i]
+                if self.tokenizer is not None:
+                    for tid, lp in entry.items():
+                        lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+                seq.logprobs.append(entry)
+            stop_str = seq.detokenizer.append(token) if seq.detokenizer is not None else None
+            stop = check_stop(seq, token, stop_str, self.eos_token_ids, self.config.max_model_len)
+            if stop is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq, *stop)
+                finished.append(seq)
+        return finished, batch.num_tokens

@@ -1,0 +1,67 @@
+"""Small random-weight models in the Hugging Face layout, and the transformers reference outputs.
+
+transformers (PyTorch, CPU, float32) writes the folder and computes the reference, so the test
+oracle shares no code with fdlite.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+
+FAMILIES = {
+    # GQA, untied, qkv bias
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    # GQA, tied, q/k norm, head_dim != hidden / heads
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0)),
+    # GQA, untied, llama3 rope scaling
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+}
+
+
+def write_random_model(path: str, family: str, seed: int = 0, **overrides) -> str:
+    """Write config.json + model.safetensors of a random `family` model to `path`."""
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    kwargs = {**BASE, **extra, **overrides}
+    config = getattr(transformers, cfg_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    # Random biases too (transformers zero-initialises them), so a dropped bias would show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_reference(path: str):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model
+
+
+@torch.no_grad()
+def reference_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation of each prompt alone (no padding), ignoring EOS."""
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+                           min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+        outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+@torch.no_grad()
+def reference_last_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0, -1].float()
