@@ -1,9 +1,10 @@
 """The decoder-only transformer that Qwen2/2.5, Qwen3 and Llama 3 share, as Paddle layers.
 
 The families differ in three switches (`DecoderSpec`): bias on q/k/v, RMSNorm on q and k per
-head, and the rope scaling (read from config). Weights keep the Hugging Face [out, in] layout and
-are used with `transpose_y=True`, so loading is a copy, not a transpose; q/k/v and gate/up are
-fused into one matrix each (fewer kernel launches per layer).
+head, and the rope scaling (read from config). Linear weights use Paddle's [in, out] layout (the
+loader transposes the Hugging Face [out, in] tensors once), because Paddle's CPU matmul pays a
+full copy for `transpose_y`; q/k/v and gate/up are fused into one matrix each (fewer kernel
+launches per layer).
 
 `forward(ids_remove_padding, forward_meta)` takes the flat token batch (FastDeploy's argument
 names, which `support_graph_optimization` relies on) and returns hidden states per token.
@@ -32,15 +33,15 @@ class DecoderSpec:
 
 
 class Linear(nn.Layer):
-    """y = x @ W^T (+ b) with W in the Hugging Face [out, in] layout."""
+    """y = x @ W (+ b) with W stored [in, out]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str):
         super().__init__()
-        self.weight = self.create_parameter([out_features, in_features], dtype=dtype)
+        self.weight = self.create_parameter([in_features, out_features], dtype=dtype)
         self.bias = self.create_parameter([out_features], dtype=dtype, is_bias=True) if bias else None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        y = paddle.matmul(x, self.weight, transpose_y=True)
+        y = paddle.matmul(x, self.weight)
         return y + self.bias if self.bias is not None else y
 
 
@@ -132,10 +133,23 @@ class DecoderForCausalLM(nn.Layer):
         self.config = cfg
         self.model = DecoderModel(cfg, self.spec, dtype, max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        # Tied head on CPU: a transposed copy of the embedding (see module docstring); on GPU the
+        # matmul reads the embedding transposed for free.
+        self._tied_head_t: paddle.Tensor | None = None
+
+    def finalize_weights(self) -> None:
+        """Called once after loading."""
+        if self.lm_head is None and paddle.get_device() == "cpu":
+            self._tied_head_t = self.model.embed_tokens.weight.t().contiguous()
 
     def forward(self, ids_remove_padding, positions, forward_meta):
         return self.model(ids_remove_padding=ids_remove_padding, positions=positions, forward_meta=forward_meta)
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return paddle.matmul(hidden, weight, transpose_y=True).astype("float32")
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        elif self._tied_head_t is not None:
+            logits = paddle.matmul(hidden, self._tied_head_t)
+        else:
+            logits = paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
+        return logits.astype("float32")

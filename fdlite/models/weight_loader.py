@@ -1,7 +1,8 @@
 """Load Hugging Face `*.safetensors` (single file or sharded with an index) into a decoder model.
 
 Checkpoint names map onto the model's parameters one to one, except that q/k/v and gate/up are
-stacked into the fused `qkv_proj` / `gate_up_proj` matrices. Every checkpoint tensor must land
+stacked into the fused `qkv_proj` / `gate_up_proj` matrices, and linear weights are transposed
+from Hugging Face's [out, in] to Paddle's [in, out]. Shapes in messages are the checkpoint's. Every checkpoint tensor must land
 somewhere and every parameter must be filled: a missing, unexpected or wrongly shaped tensor is an
 error that names it.
 """
@@ -15,7 +16,7 @@ import os
 import paddle
 from safetensors import safe_open
 
-from fdlite.models.decoder import DecoderForCausalLM
+from fdlite.models.decoder import DecoderForCausalLM, Linear
 
 # Tensors some exporters write that carry nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -53,6 +54,7 @@ def _stacked_targets(model: DecoderForCausalLM) -> list[tuple[str, str, int, int
 
 def load_weights(model: DecoderForCausalLM, path: str) -> None:
     params = dict(model.named_parameters())
+    linear_weights = {f"{name}.weight" for name, layer in model.named_sublayers() if isinstance(layer, Linear)}
     stacked = _stacked_targets(model) if model.model.layers else []
     # target param -> {(row start, row end): checkpoint name} still to fill
     pending: dict[str, dict[tuple[int, int] | None, str]] = {}
@@ -82,7 +84,8 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
                         f"{model.config.architecture} has no such weight"
                     )
                 param = params[target]
-                expected = list(param.shape)
+                transposed = target in linear_weights
+                expected = list(param.shape)[::-1] if transposed else list(param.shape)
                 if rows is not None:
                     expected[0] = rows[1] - rows[0]
                 tensor = f.get_tensor(ckpt_name)
@@ -91,7 +94,8 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
                         f"tensor {ckpt_name!r} in {os.path.basename(file)} has shape {list(tensor.shape)}, "
                         f"expected {expected} from config.json"
                     )
-                parts[target][rows] = tensor.astype(param.dtype)
+                tensor = tensor.astype(param.dtype)
+                parts[target][rows] = tensor.t().contiguous() if transposed else tensor
                 pending[target].pop(rows, None)
 
     missing = [ckpt for per_param in pending.values() for ckpt in per_param.values()]
@@ -103,5 +107,7 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
     with paddle.no_grad():
         for name, param in params.items():
             got = parts[name]
-            value = got[None] if None in got else paddle.concat([got[r] for r in sorted(got)], axis=0)
+            axis = 1 if name in linear_weights else 0  # fused along the output dimension
+            value = got[None] if None in got else paddle.concat([got[r] for r in sorted(got)], axis=axis)
             param.set_value(value)
+    model.finalize_weights()

@@ -1,0 +1,21 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fdlite_cache(tmp_path_factory):
+    # The built-in default model is built once per test session, never in the home folder.
+    os.environ.setdefault("FDLITE_CACHE", str(tmp_path_factory.mktemp("fdlite-cache")))
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """family -> folder of a random-weight HF model written by transformers."""
+    from hf_models import FAMILIES, write_random_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {fam: write_random_model(str(root / fam), fam) for fam in FAMILIES}
