@@ -1,0 +1,179 @@
+"""Per-request sampling options, with vLLM's `SamplingParams` names, defaults and semantics.
+
+Every field carries a one-line help string in its `metadata["help"]`; `SamplingParams.help()`
+returns them so the CLI and the YAML job docs never drift from the code.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Below this temperature a request is greedy (same threshold as vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+
+
+def _opt(default: Any, help: str) -> Any:
+    """A dataclass field whose help text lives next to its default."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request (vLLM-compatible).
+
+    Invalid values raise `ValueError` naming the field, at construction time, so a bad YAML
+    job fails before any model is loaded.
+    """
+
+    n: int = _opt(1, "Number of completions to generate for the prompt.")
+    presence_penalty: float = _opt(
+        0.0, "Subtracted from a token's logit if it already appears in the output; in [-2, 2]."
+    )
+    frequency_penalty: float = _opt(
+        0.0, "Subtracted from a token's logit once per occurrence in the output; in [-2, 2]."
+    )
+    repetition_penalty: float = _opt(
+        1.0, "Divides positive / multiplies negative logits of tokens seen in prompt or output; > 0, 1 = off."
+    )
+    temperature: float = _opt(1.0, "Softmax temperature; 0 means greedy decoding.")
+    top_p: float = _opt(1.0, "Keep the smallest set of most likely tokens whose mass reaches top_p; in (0, 1].")
+    top_k: int = _opt(0, "Keep only the top_k most likely tokens; 0 or -1 disables.")
+    min_p: float = _opt(0.0, "Drop tokens less likely than min_p times the most likely one; in [0, 1].")
+    seed: int | None = _opt(None, "Random seed for this request; the same seed gives the same tokens.")
+    stop: str | list[str] | None = _opt(None, "String(s) that end generation when produced.")
+    stop_token_ids: list[int] | None = _opt(None, "Token ids that end generation when sampled.")
+    ignore_eos: bool = _opt(False, "Keep generating after the end-of-sequence token.")
+    max_tokens: int | None = _opt(16, "Maximum number of tokens to generate; None = up to max_model_len.")
+    min_tokens: int = _opt(0, "Minimum number of tokens before EOS or stop_token_ids may be sampled.")
+    logprobs: int | None = _opt(
+        None, "Number of top log-probabilities to return per generated token (plus the sampled one)."
+    )
+    skip_special_tokens: bool = _opt(True, "Drop special tokens when detokenizing the output.")
+    include_stop_str_in_output: bool = _opt(False, "Keep the matched stop string at the end of the text.")
+
+    def __post_init__(self) -> None:
+        self.n = _int("n", self.n, minimum=1)
+        self.presence_penalty = _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        self.frequency_penalty = _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        self.temperature = _float("temperature", self.temperature, lo=0.0)
+        self.top_p = _float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        self.top_k = _int("top_k", self.top_k, minimum=-1)
+        self.min_p = _float("min_p", self.min_p, lo=0.0, hi=1.0)
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens, minimum=1)
+        self.min_tokens = _int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs, minimum=0)
+        self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding is argmax: temperature ~ 0 (top-k/top-p/min-p and seed are then moot)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any presence / frequency / repetition penalty changes the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (lists such as `stop` are not shared)."""
+        return copy.deepcopy(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field name -> value (a copy), the inverse of `from_dict`."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from a mapping (e.g. a YAML job); unknown keys raise `ValueError` naming them."""
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling options must be a mapping, got {type(d).__name__}: {d!r}")
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown sampling option {key!r}; known options: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        """Field name -> one-line help, in declaration order (for CLI / YAML documentation)."""
+        return {f.name: f.metadata["help"] for f in fields(cls)}
+
+
+# --- validation helpers: each error names the field and the bad value -----------------------
+
+
+def _fail(name: str, requirement: str, value: Any) -> ValueError:
+    return ValueError(f"SamplingParams.{name} must be {requirement}, got {value!r}")
+
+
+def _int(name: str, value: Any, minimum: int | None = None) -> int:
+    # bool is an int subclass, but `n=True` is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _fail(name, "an int", value)
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise _fail(name, f">= {minimum}", value)
+    return value
+
+
+def _float(
+    name: str, value: Any, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(name, "a number", value)
+    value = float(value)
+    if not math.isfinite(value):
+        raise _fail(name, "finite", value)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise _fail(name, f"{'>' if lo_open else '>='} {lo:g}", value)
+    if hi is not None and value > hi:
+        raise _fail(name, f"<= {hi:g}", value)
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(name, "a bool", value)
+    return value
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise _fail("stop", "a str or a list of str", value)
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise _fail("stop", "non-empty strings", s)
+    return list(items)
+
+
+def _stop_token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise _fail("stop_token_ids", "a list of int", value)
+    out = []
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise _fail("stop_token_ids", "ints >= 0", t)
+        out.append(int(t))
+    return out
