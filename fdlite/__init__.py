@@ -1,6 +1,10 @@
 """fdlite: offline batch inference for LLMs on PaddlePaddle, with vLLM's API names."""
 
 import logging as _logging
+import warnings as _warnings
+
+# Paddle warns on import about a C++ build cache that only matters when compiling custom ops.
+_warnings.filterwarnings("ignore", message="No ccache found")
 
 from fdlite.config import EngineConfig, GraphOptimizationConfig
 from fdlite.llm import LLM

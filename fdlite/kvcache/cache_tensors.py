@@ -1,7 +1,9 @@
-"""The KV-cache tensors: one (K, V) pair per layer, each [num_blocks * block_size + 1, kv_heads, head_dim].
+"""The KV-cache tensors: one (K, V) pair per layer, each [num_blocks + 1, kv_heads, block_size, head_dim].
 
-The extra last row is a scratch slot: tokens that must write nowhere (rows padded to a captured
-batch size) write there, so every token can take the same scatter path.
+FastDeploy's layout: within a block each KV head's tokens are contiguous, so gathering a row's context
+by (head, block) yields [kv_heads, tokens, head_dim] with no transpose (a strided copy is slow on CPU).
+The extra last block is scratch: tokens that must write nowhere (rows padded to a captured batch size)
+write to its first slot, so every token can take the same scatter path.
 """
 
 from __future__ import annotations
@@ -30,6 +32,6 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: str) -> KVCache:
-        shape = [num_blocks * block_size + 1, kv_heads, head_dim]
+        shape = [num_blocks + 1, kv_heads, block_size, head_dim]
         caches = [(paddle.zeros(shape, dtype=dtype), paddle.zeros(shape, dtype=dtype)) for _ in range(num_layers)]
         return cls(num_blocks, block_size, caches)

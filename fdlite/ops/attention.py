@@ -5,6 +5,8 @@ Written by hand because Paddle's fused paged-attention kernels
 and GPU alike and is the reference the fused path must match. Every step first writes the new
 tokens' K/V into the cache at `slot_mapping`, then reads each row's whole context back from the
 cache through its block table, so a cached prefix or an earlier prefill chunk is just more context.
+The cache has FastDeploy's [blocks, kv_heads, block_size, head_dim] layout and is addressed as
+flat rows of head_dim; the row indices are computed once per step and shared by all layers.
 
 Decode rows are batched: one gather of [rows, max_blocks * block_size] slots and a masked softmax.
 Prefill rows are done one at a time with a causal mask offset by the cached prefix length; a step
@@ -19,35 +21,60 @@ import paddle.nn.functional as F
 from fdlite.ops.forward_meta import ForwardMeta
 
 
-def write_kv(cache: paddle.Tensor, slots: paddle.Tensor, values: paddle.Tensor) -> None:
-    paddle.scatter_(cache, slots, values.astype(cache.dtype), overwrite=True)
+def _rows(blocks: paddle.Tensor, kvh: int, block_size: int) -> paddle.Tensor:
+    """Block ids [..., nb] -> flat cache rows [..., kvh, nb * block_size]: head-major, position order.
+
+    Row of (block b, head h, offset o) in the cache viewed as [-1, head_dim] is (b * kvh + h) * bs + o.
+    """
+    heads = paddle.arange(kvh, dtype=blocks.dtype).reshape([kvh, 1, 1])
+    offs = paddle.arange(block_size, dtype=blocks.dtype)
+    rows = (blocks.unsqueeze(-2).unsqueeze(-1) * kvh + heads) * block_size + offs  # [..., kvh, nb, bs]
+    return rows.flatten(start_axis=-2)
 
 
-def _context_slots(block_row: paddle.Tensor, block_size: int) -> paddle.Tensor:
-    """Block ids [..., n] -> slot ids [..., n * block_size] in position order."""
-    offs = paddle.arange(block_size, dtype=block_row.dtype)
-    return (block_row.unsqueeze(-1) * block_size + offs).flatten(start_axis=-2)
+def _memo(meta: ForwardMeta, key, make):
+    if key not in meta.derived:
+        meta.derived[key] = make()
+    return meta.derived[key]
+
+
+def write_kv(cache: paddle.Tensor, meta: ForwardMeta, values: paddle.Tensor) -> None:
+    """values [T, kvh, d] -> the cache rows of each token's slot, every head."""
+    t, kvh, d = values.shape
+    bs = meta.block_size
+
+    def make():
+        slots = meta.slot_mapping.unsqueeze(1)  # [T, 1]
+        heads = paddle.arange(kvh, dtype=slots.dtype)
+        return ((slots // bs * kvh + heads) * bs + slots % bs).flatten()  # [T * kvh], (token, head) order
+
+    rows = _memo(meta, ("write", kvh), make)
+    paddle.scatter_(cache.reshape([-1, d]), rows, values.reshape([t * kvh, d]).astype(cache.dtype), overwrite=True)
 
 
 def _softmax_attend(q, k, v, mask, scale):
-    """q [..., kvh, g, n, d], k/v [..., kvh, L, d], mask broadcastable to scores -> [..., kvh, g, n, d]."""
-    scores = paddle.matmul(q.astype("float32"), k.astype("float32").unsqueeze(-3), transpose_y=True) * scale
+    """q [..., kvh, m, d], k/v [..., kvh, L, d], mask broadcastable to [..., kvh, m, L] -> [..., kvh, m, d].
+
+    The query heads sharing a KV head are folded into `m` rather than broadcast against K/V: Paddle's
+    CPU matmul takes a slow copying path for a broadcast operand that is not contiguous (measured 40x).
+    """
+    scores = paddle.matmul(q.astype("float32"), k.astype("float32"), transpose_y=True) * scale
     scores = paddle.where(mask, scores, paddle.full_like(scores, float("-inf")))
     probs = F.softmax(scores, axis=-1)
-    return paddle.matmul(probs, v.astype("float32").unsqueeze(-3)).astype(q.dtype)
+    return paddle.matmul(probs, v.astype("float32")).astype(q.dtype)
 
 
 def decode_attention(q, k_cache, v_cache, meta: ForwardMeta, n: int, scale: float) -> paddle.Tensor:
     """q [n, h, d] for rows [0, n) -> [n, h, d]."""
     _, h, d = q.shape
     kvh = k_cache.shape[1]
-    slots = _context_slots(meta.block_tables[:n], meta.block_size)  # [n, L]
-    L = slots.shape[1]
-    k = paddle.gather(k_cache, slots.flatten()).reshape([n, L, kvh, d]).transpose([0, 2, 1, 3])
-    v = paddle.gather(v_cache, slots.flatten()).reshape([n, L, kvh, d]).transpose([0, 2, 1, 3])
-    qg = q.reshape([n, kvh, h // kvh, 1, d])
+    rows = _memo(meta, ("decode", kvh), lambda: _rows(meta.block_tables[:n], kvh, meta.block_size).flatten())
+    L = rows.shape[0] // (n * kvh)
+    k = paddle.gather(k_cache.reshape([-1, d]), rows).reshape([n, kvh, L, d])
+    v = paddle.gather(v_cache.reshape([-1, d]), rows).reshape([n, kvh, L, d])
+    qg = q.reshape([n, kvh, h // kvh, d])  # query head j reads KV head j // (h / kvh)
     valid = paddle.arange(L, dtype="int32").unsqueeze(0) < meta.seq_lens_kv[:n].unsqueeze(1)  # [n, L]
-    out = _softmax_attend(qg, k, v, valid.reshape([n, 1, 1, 1, L]), scale)
+    out = _softmax_attend(qg, k, v, valid.reshape([n, 1, 1, L]), scale)
     return out.reshape([n, h, d])
 
 
@@ -55,22 +82,27 @@ def prefill_attention(q, k_cache, v_cache, meta: ForwardMeta, span, scale: float
     """q [q_len, h, d] of one row whose K/V are already in the cache -> [q_len, h, d]."""
     n, h, d = q.shape
     kvh = k_cache.shape[1]
+    g = h // kvh
     num_blocks = -(-span.kv_len // meta.block_size)
-    slots = _context_slots(meta.block_tables[span.row, :num_blocks], meta.block_size)[: span.kv_len]
-    k = paddle.gather(k_cache, slots).transpose([1, 0, 2])  # [kvh, L, d]
-    v = paddle.gather(v_cache, slots).transpose([1, 0, 2])
-    qg = q.transpose([1, 0, 2]).reshape([kvh, h // kvh, n, d])
+
+    def make():
+        return _rows(meta.block_tables[span.row, :num_blocks], kvh, meta.block_size)[:, : span.kv_len].flatten()
+
+    rows = _memo(meta, ("prefill", span.row, kvh), make)
+    k = paddle.gather(k_cache.reshape([-1, d]), rows).reshape([kvh, span.kv_len, d])
+    v = paddle.gather(v_cache.reshape([-1, d]), rows).reshape([kvh, span.kv_len, d])
+    qg = q.transpose([1, 0, 2]).reshape([kvh, g * n, d])  # rows ordered (group, position)
     # Query i sits at absolute position (kv_len - n + i) and sees keys at positions <= that.
     q_pos = paddle.arange(span.kv_len - n, span.kv_len, dtype="int32").unsqueeze(1)
     causal = paddle.arange(span.kv_len, dtype="int32").unsqueeze(0) <= q_pos  # [n, L]
-    out = _softmax_attend(qg, k, v, causal, scale)  # [kvh, g, n, d]
+    out = _softmax_attend(qg, k, v, paddle.tile(causal, [g, 1]), scale)  # [kvh, g * n, d]
     return out.reshape([h, n, d]).transpose([1, 0, 2])
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: ForwardMeta, scale: float) -> paddle.Tensor:
     """q [T, h, d], k/v [T, kvh, d] for the flat batch -> attention output [T, h * d]."""
-    write_kv(k_cache, meta.slot_mapping, k)
-    write_kv(v_cache, meta.slot_mapping, v)
+    write_kv(k_cache, meta, k)
+    write_kv(v_cache, meta, v)
     parts = []
     if meta.num_decodes:
         parts.append(decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, meta.num_decodes, scale))

@@ -29,5 +29,7 @@ class ForwardMeta:
     num_decodes: int                   # rows [0, num_decodes) are single-token decodes
     prefills: list[PrefillSpan] = field(default_factory=list)
     block_size: int = 64
-    # Per-layer (k_cache, v_cache), each [num_slots, kv_heads, head_dim]; set by the runner.
+    # Per-layer (k_cache, v_cache), each [num_blocks + 1, kv_heads, block_size, head_dim]; set by the runner.
     caches: list[tuple[paddle.Tensor, paddle.Tensor]] = field(default_factory=list)
+    # Cache row indices derived once per step and shared by every layer (see ops/attention.py).
+    derived: dict = field(default_factory=dict, repr=False)
