@@ -37,11 +37,14 @@ class GraphOptimizationConfig:
     )
     cudagraph_only_prefill: bool = _opt(False, "Capture prefill-only batches keyed by token count instead of decode.")
     max_capture_size: int | None = _opt(None, "Largest size captured (default: max_num_seqs, or 512 for prefill).")
+    verify_cudagraph: bool = _opt(
+        True, "At startup, replay each captured graph on fresh inputs and fail if it disagrees with the eager forward."
+    )
 
     def __post_init__(self) -> None:
         if self.graph_opt_level not in (0, 1, 2):
             raise ValueError(f"graph_optimization_config.graph_opt_level must be 0, 1 or 2, got {self.graph_opt_level!r}")
-        for name in ("use_cudagraph", "cudagraph_only_prefill"):
+        for name in ("use_cudagraph", "cudagraph_only_prefill", "verify_cudagraph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"graph_optimization_config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.cudagraph_capture_sizes is not None:
@@ -52,6 +55,10 @@ class GraphOptimizationConfig:
                 raise ValueError(
                     f"graph_optimization_config.cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}"
                 )
+        if self.max_capture_size is not None and (
+            not isinstance(self.max_capture_size, int) or isinstance(self.max_capture_size, bool) or self.max_capture_size < 1
+        ):
+            raise ValueError(f"graph_optimization_config.max_capture_size must be a positive int, got {self.max_capture_size!r}")
 
     @classmethod
     def parse(cls, value: Any) -> GraphOptimizationConfig:

@@ -12,6 +12,8 @@ import numpy as np
 from fdlite.config import EngineConfig
 from fdlite.default_model import default_model_path
 from fdlite.detokenizer import IncrementalDetokenizer
+from fdlite.graph.phases import PhaseRecorder
+from fdlite.graph.static_graph import check_graph_opt_level
 from fdlite.models.model_config import ModelConfig
 from fdlite.ops.sampler import make_generator
 from fdlite.outputs import CompletionOutput, RequestOutput
@@ -37,40 +39,46 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         t_start = time.perf_counter()
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        check_graph_opt_level(self.config.graph_optimization_config.graph_opt_level)
         self.model_path = model or default_model_path()
-        self.startup_report: dict[str, Any] = {}
+        self.phases = PhaseRecorder()
 
-        t = time.perf_counter()
-        self.model_config = ModelConfig.from_dir(self.model_path)
-        self.tokenizer = None
-        if not self.config.skip_tokenizer_init:
-            self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.model_path)
-        self.runner = ModelRunner(self.config, self.model_path, self.model_config)
-        self._phase("load_weights", t)
+        with self.phases.phase("load_weights"):
+            self.model_config = ModelConfig.from_dir(self.model_path)
+            self.tokenizer = None
+            if not self.config.skip_tokenizer_init:
+                self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.model_path)
+            self.runner = ModelRunner(self.config, self.model_path, self.model_config)
 
-        t = time.perf_counter()
-        num_blocks = self.runner.num_blocks_from_budget()
-        self.runner.allocate_kv_cache(num_blocks)
-        self.num_blocks = num_blocks
-        logger.info(
-            "Reset block num, the total_block_num:%d, block_size:%d, token capacity:%d",
-            num_blocks, self.config.block_size, num_blocks * self.config.block_size,
-        )
-        self.startup_report.update(total_block_num=num_blocks, kv_token_capacity=num_blocks * self.config.block_size,
-                                   bytes_per_block=self.runner.bytes_per_block)
-        self._phase("kv_cache", t)
+        with self.phases.phase("profile_run"):
+            profile = self.runner.profile_run()
+
+        with self.phases.phase("kv_cache"):
+            num_blocks = self.runner.num_blocks_to_allocate(profile)
+            self.runner.allocate_kv_cache(num_blocks)
+            self.num_blocks = num_blocks
+            logger.info(
+                "Reset block num, the total_block_num:%d, block_size:%d, token capacity:%d",
+                num_blocks, self.config.block_size, num_blocks * self.config.block_size,
+            )
+
+        with self.phases.phase("graph_optimization"):
+            self.runner.setup_graph_optimization(self.phases)
 
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
         self.engine = Engine(self.config, self.runner, num_blocks, eos, self.tokenizer)
         self._rng = np.random.default_rng(self.config.seed)
-        self.startup_report["total_s"] = time.perf_counter() - t_start
-
-    def _phase(self, name: str, t0: float) -> None:
-        dt = time.perf_counter() - t0
-        self.startup_report[f"{name}_s"] = dt
-        logger.info("startup phase %s: %.2f s", name, dt)
+        self.startup_report: dict[str, Any] = {f"{k}_s": v for k, v in self.phases.durations.items()}
+        self.startup_report.update(
+            total_block_num=num_blocks, kv_token_capacity=num_blocks * self.config.block_size,
+            bytes_per_block=self.runner.bytes_per_block,
+            cudagraph_sizes=sorted(self.runner.graph_runner.graphs) if self.runner.graph_runner else [],
+            sot_translations=sum(e.info.get("count", 0) for e in self.phases.events if e.name == "sot_translate"),
+            total_s=time.perf_counter() - t_start,
+        )
+        logger.info("ready in %.2f s", self.startup_report["total_s"])
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer

@@ -18,12 +18,17 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from fdlite.graph.decorator import support_graph_optimization
+from fdlite.graph.graph_break import opaque_to_sot
 from fdlite.models.model_config import ModelConfig
 from fdlite.ops.activation import silu_and_mul
-from fdlite.ops.attention import paged_attention
+from fdlite.ops.attention import paged_attention as _paged_attention
 from fdlite.ops.forward_meta import ForwardMeta
 from fdlite.ops.norm import RMSNorm
 from fdlite.ops.rotary import RotaryEmbedding
+
+# Attention reads per-step Python batch structure; SOT must not translate it (see graph_break.py).
+paged_attention = opaque_to_sot(_paged_attention)
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ class DecoderLayer(nn.Layer):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+@support_graph_optimization
 class DecoderModel(nn.Layer):
     """Embedding, layers, final norm: the part a graph backend translates and captures."""
 

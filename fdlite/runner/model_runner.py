@@ -18,6 +18,15 @@ from fdlite.models.model_config import ModelConfig
 from fdlite.models.registry import model_class
 from fdlite.models.weight_loader import load_weights
 from fdlite.ops.sampler import Sampler, SamplerOutput, SamplingRow
+from fdlite.graph.backend import GraphOptBackend
+from fdlite.graph.capture_sizes import decode_capture_sizes, prefill_capture_sizes
+from fdlite.graph.cuda import device_memory, reset_peak_memory
+from fdlite.graph.cudagraph_runner import CudaGraphRunner, cudagraph_factory
+from fdlite.graph.phases import PhaseRecorder
+from fdlite.graph.static_graph import translation_count
+from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for
+from fdlite.ops.allreduce import capture_custom_allreduce
+from fdlite.runner.dummy_batch import dummy_rows, even_split
 from fdlite.runner.input_batch import ModelInputs, build_inputs
 from fdlite.runner.sequence import Sequence
 
@@ -70,16 +79,55 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
+        self.graph_runner: CudaGraphRunner | None = None
 
     @property
     def bytes_per_block(self) -> int:
         c = self.model_config
         return bytes_per_block(c.num_hidden_layers, self.config.block_size, c.num_key_value_heads, c.head_dim, self.dtype)
 
-    def num_blocks_from_budget(self) -> int:
-        """Blocks that fit the configured budget (CPU; GPU sizing from profiling comes with the graph pipeline)."""
+    def profile_run(self) -> MemoryProfile | None:
+        """DESIGN.md step 2: an eager dummy prefill of max_num_batched_tokens tokens with a temporary cache.
+
+        Returns the measured memory numbers on GPU, None on CPU (no device memory statistics there);
+        the forward runs either way, so a shape or memory problem shows at startup, not mid-job.
+        """
+        lengths = even_split(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        temp_blocks = sum(blocks_for(n, self.config.block_size) for n in lengths)
+        reset_peak_memory()
+        before = device_memory()
+        self.kv_cache = KVCache.allocate(temp_blocks, self.config.block_size, self.model_config.num_hidden_layers,
+                                         self.model_config.num_key_value_heads, self.model_config.head_dim, self.dtype)
+        temp_bytes = temp_blocks * self.bytes_per_block
+        with_cache = device_memory()
+        self.forward(build_inputs(dummy_rows(lengths, self.config.block_size, temp_blocks), self.config.block_size),
+                     use_graphs=False)
+        during = device_memory()
+        self.kv_cache = None
+        if before is None:
+            return None
+        return MemoryProfile(total=before.total, allocated_before=with_cache.allocated, peak_during=during.peak,
+                             used_after=during.allocated, temporary_kv_bytes=temp_bytes,
+                             profile_tokens=self.config.max_num_batched_tokens)
+
+    def num_blocks_to_allocate(self, profile: MemoryProfile | None) -> int:
+        """DESIGN.md step 3: `num_gpu_blocks_override`, else the profile formula (GPU) or the byte budget (CPU)."""
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
+        if profile is None:
+            return self.num_blocks_from_budget()
+        sizes = self.capture_sizes()
+        largest = max(sizes) if sizes else 0
+        reserve = graph_reserve_bytes(profile, largest, len(sizes))
+        available = kv_cache_bytes(profile, self.config.gpu_memory_utilization, reserve)
+        logger.info("KV cache sizing: total %.2f GiB x %.2f, in use after profiling %.2f GiB, activation peak %.2f GiB, "
+                    "CUDA-graph reserve %.2f GiB -> %.2f GiB for the cache", profile.total / 2**30,
+                    self.config.gpu_memory_utilization, profile.used_after / 2**30,
+                    (profile.peak_during - profile.allocated_before) / 2**30, reserve / 2**30, available / 2**30)
+        return num_blocks_for(available, self.bytes_per_block)
+
+    def num_blocks_from_budget(self) -> int:
+        """Blocks that fit the CPU byte budget (`kv_cache_memory_bytes`, default 1 GiB)."""
         budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
         num_blocks = budget // self.bytes_per_block
         if self.config.kv_cache_memory_bytes is None:
@@ -100,11 +148,63 @@ class ModelRunner:
                                          c.num_key_value_heads, c.head_dim, self.dtype)
         return self.kv_cache
 
+    # ---- graph optimization ------------------------------------------------------------
+
+    def capture_sizes(self) -> list[int]:
+        """The sizes that will get a CUDA graph ([] when graphs are off or cannot run here)."""
+        g = self.config.graph_optimization_config
+        if not g.use_cudagraph or cudagraph_factory(self.device) is None:
+            return []
+        if g.cudagraph_only_prefill:
+            return prefill_capture_sizes(self.config.max_num_batched_tokens, g.cudagraph_capture_sizes, g.max_capture_size)
+        return decode_capture_sizes(self.config.max_num_seqs, g.cudagraph_capture_sizes, g.max_capture_size)
+
+    def setup_graph_optimization(self, recorder: PhaseRecorder) -> None:
+        """DESIGN.md step 4: attach the SOT backend, then warm it up or capture CUDA graphs (SOT inside capture)."""
+        g = self.config.graph_optimization_config
+        layer = self.model.model
+        if g.graph_opt_level >= 1:
+            layer.graph_opt_backend = GraphOptBackend(layer, g.graph_opt_level)
+        sizes = self.capture_sizes()
+        if g.use_cudagraph and not sizes:
+            logger.warning("use_cudagraph=True is ignored: CUDA graphs need a GPU build of Paddle on a GPU "
+                           "(device here: %s); running without graphs", self.device)
+        if sizes:
+            self.graph_runner = CudaGraphRunner(
+                layer, self.kv_cache, sizes, prefill=g.cudagraph_only_prefill, max_num_seqs=self.config.max_num_seqs,
+                max_blocks=blocks_for(self.config.max_model_len, self.config.block_size),
+                graph_factory=cudagraph_factory(self.device))
+            with capture_custom_allreduce(recorder), recorder.phase("cudagraph_capture"):
+                self.graph_runner.capture_all(recorder, verify=g.verify_cudagraph)
+        if g.graph_opt_level >= 1:
+            # Batches that run eagerly (mixed, or above the largest graph) translate here, after capture.
+            with recorder.phase("sot_warmup"):
+                self.sot_warmup(recorder)
+
+    def sot_warmup(self, recorder: PhaseRecorder) -> None:
+        """Translate the static forward before the first request: decode and prefill batches of a few sizes.
+
+        Two sizes of each kind let SOT see the token dimension change and mark it symbolic, so later
+        steps with new sizes reuse the translation.
+        """
+        bs, nb = self.config.block_size, self.kv_cache.num_blocks
+        decode_sizes = sorted({1, min(2, self.config.max_num_seqs), self.config.max_num_seqs})
+        batches = [dummy_rows([2] * n, bs, nb, decode=True) for n in decode_sizes]
+        batches += [dummy_rows([n], bs, nb) for n in sorted({2, min(3, self.config.max_model_len - 1)})]
+        before = translation_count()
+        for rows in batches:
+            self.forward(build_inputs(rows, bs), use_graphs=False)
+        recorder.point("sot_translate", count=translation_count() - before)
+
     @paddle.no_grad()
-    def forward(self, inputs: ModelInputs) -> paddle.Tensor:
-        """Hidden states of the flat batch -> logits of the rows that sample."""
-        inputs.meta.caches = self.kv_cache.caches
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+    def forward(self, inputs: ModelInputs, use_graphs: bool = True) -> paddle.Tensor | None:
+        """Hidden states of the flat batch (graph replay when its padded size was captured) -> logits of the rows that sample."""
+        size = self.graph_runner.size_for(inputs.host) if use_graphs and self.graph_runner is not None else None
+        if size is not None:
+            hidden = self.graph_runner.run(inputs.host, size)
+        else:
+            inputs.meta.caches = self.kv_cache.caches
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seqs:
             return None
         return self.model.compute_logits(paddle.gather(hidden, inputs.logits_indices))

@@ -1,0 +1,54 @@
+"""How many KV-cache blocks fit: DESIGN.md's formula fed with the profiling run's measured numbers.
+
+available = total * gpu_memory_utilization - used_after_profile
+            - (peak_during_profile - allocated_before_profile) + temporary_kv_bytes - graph_reserve
+
+Unlike FastDeploy, CUDA-graph memory is reserved before the cache is sized (`graph_reserve`), so the
+default options cannot run out of memory at capture time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Per captured graph: the graph object and its kernel parameters (a documented estimate; the
+# activations themselves live in the shared pool, counted once below).
+GRAPH_OVERHEAD_BYTES = 4 << 20
+
+
+@dataclass
+class MemoryProfile:
+    total: int                # device bytes
+    allocated_before: int     # held before the profiling run (weights, temporary KV cache)
+    peak_during: int          # most held during the profiling forward
+    used_after: int           # held after it (weights + temporary KV cache)
+    temporary_kv_bytes: int   # the small cache the profiling run used
+    profile_tokens: int       # tokens in the profiling forward
+
+
+def graph_reserve_bytes(profile: MemoryProfile, largest_capture_tokens: int, num_graphs: int) -> int:
+    """Memory the CUDA graphs will hold: one shared activation pool sized for the largest graph.
+
+    Activations grow with the token count, so the pool is the profiling run's activation peak scaled to
+    the largest captured size (never more than the peak itself), plus a fixed overhead per graph.
+    """
+    if num_graphs == 0:
+        return 0
+    activations = max(0, profile.peak_during - profile.allocated_before)
+    scale = min(1.0, largest_capture_tokens / max(1, profile.profile_tokens))
+    return int(activations * scale) + num_graphs * GRAPH_OVERHEAD_BYTES
+
+
+def kv_cache_bytes(profile: MemoryProfile, gpu_memory_utilization: float, graph_reserve: int) -> int:
+    """Bytes left for the KV cache (DESIGN.md's formula, minus the graph reserve)."""
+    return int(
+        profile.total * gpu_memory_utilization
+        - profile.used_after
+        - (profile.peak_during - profile.allocated_before)
+        + profile.temporary_kv_bytes
+        - graph_reserve
+    )
+
+
+def num_blocks_for(available_bytes: int, bytes_per_block: int) -> int:
+    return max(0, available_bytes // bytes_per_block)

@@ -1,0 +1,66 @@
+"""Capture-size lists and padding, against the seed's list (graph_optimization.md)."""
+
+import numpy as np
+import paddle
+import pytest
+
+from fdlite.graph.capture_sizes import (decode_capture_sizes, padded_size, prefill_capture_sizes,
+                                        worst_case_prefill_split)
+from fdlite.graph.cudagraph_runner import StaticBuffers
+from fdlite.runner.input_batch import HostBatch
+
+# Written out from the seed page, not computed by the code under test.
+SEED = ([1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128]
+        + [144, 160, 176, 192, 208, 224, 240, 256]
+        + [288, 320, 352, 384, 416, 448, 480, 512, 544, 576, 608, 640, 672, 704, 736, 768, 800, 832, 864, 896,
+           928, 960, 992, 1024])
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8, 100, 256, 1024])
+def test_decode_sizes_are_the_seed_list_cut_to_max_num_seqs(max_num_seqs):
+    sizes = decode_capture_sizes(max_num_seqs)
+    assert sizes == sorted({s for s in SEED if s <= max_num_seqs} | {max_num_seqs})
+    assert sizes[0] == 1 and sizes[-1] == max_num_seqs
+
+
+def test_specific_lists():
+    assert decode_capture_sizes(1) == [1]
+    assert decode_capture_sizes(8) == [1, 2, 4, 8]
+    assert decode_capture_sizes(100)[-3:] == [88, 96, 100]
+    assert len(decode_capture_sizes(1024)) == len(SEED)
+
+
+def test_user_list_and_max_capture_size_override():
+    assert decode_capture_sizes(64, user_sizes=[1, 3, 5, 7, 9]) == [1, 3, 5, 7, 9]
+    assert decode_capture_sizes(4, user_sizes=[1, 3, 5, 7, 9]) == [1, 3]  # never above max_num_seqs
+    assert decode_capture_sizes(256, max_capture_size=32) == [1, 2, 4, 8, 16, 24, 32]
+    assert prefill_capture_sizes(8192)[-1] == 512  # seed pr3459's default prefill cap
+    assert prefill_capture_sizes(100)[-1] == 100
+
+
+@pytest.mark.parametrize("n,expected", [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (97, 100), (100, 100), (101, None)])
+def test_padding_picks_smallest_captured_size_at_least_n(n, expected):
+    assert padded_size(decode_capture_sizes(100), n) == expected
+
+
+def test_worst_case_prefill_split():
+    assert worst_case_prefill_split(160, 2) == [1, 159]
+    assert worst_case_prefill_split(10, 4) == [1, 1, 1, 7]
+    assert worst_case_prefill_split(3, 8) == [1, 1, 1]
+    assert sum(worst_case_prefill_split(512, 64)) == 512
+
+
+def test_padded_rows_write_and_read_only_the_scratch_block():
+    buf = StaticBuffers(max_tokens=8, max_blocks=3)
+    batch = HostBatch(input_ids=np.array([5, 6, 7]), positions=np.array([3, 0, 9]), slot_mapping=np.array([3, 4, 73]),
+                      token_rows=np.array([0, 1, 2]), block_tables=np.array([[0, 0], [1, 0], [2, 9]]), num_decodes=3)
+    buf.write(batch, size=4, scratch_block=10, block_size=64)
+    assert buf.input_ids[:4].tolist() == [5, 6, 7, 0]
+    assert buf.slot_mapping[:4].tolist() == [3, 4, 73, 640]          # padded token -> scratch slot
+    assert buf.seq_lens_kv[:4].tolist() == [4, 1, 10, 1]              # position + 1; padding sees one slot
+    assert buf.block_tables[3].tolist() == [10, 10, 10]               # padding's table: the scratch block
+    assert buf.block_tables[2].tolist() == [2, 9, 10]
+    # Rows past the padded size are left alone.
+    before = paddle.clone(buf.input_ids[4:])
+    buf.write(batch, size=3, scratch_block=10, block_size=64)
+    assert buf.input_ids[4:].tolist() == before.tolist()
