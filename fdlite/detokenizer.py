@@ -57,8 +57,12 @@ class IncrementalDetokenizer:
         """True once a stop string matched."""
         return self.stop_reason is not None
 
-    def append(self, token_id: int) -> str | None:
-        """Add one generated token; return the stop string it completed, else None."""
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add one generated token; return the stop string it completed, else None.
+
+        check_stop=False (while the output is shorter than min_tokens) adds the text without looking
+        for stop strings, as vLLM does.
+        """
         if self.stop_reason is not None:
             return None  # the sequence already ended; text after the stop string is dropped
         self.output_token_ids.append(token_id)
@@ -68,7 +72,7 @@ class IncrementalDetokenizer:
             return None
         start = len(self.text)
         self.text += new_text
-        return self._check_stop(start)
+        return self._check_stop(start) if check_stop else None
 
     def _decode_new_text(self) -> str:
         decode = self.tokenizer.decode

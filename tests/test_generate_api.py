@@ -42,6 +42,21 @@ def test_stop_string_is_cut_out(llm):
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
 
 
+def test_stop_string_waits_for_min_tokens(llm):
+    full = llm.generate("Once upon a time", GREEDY, use_tqdm=False)[0].outputs[0]
+    # A stop string made of the first token's text: without min_tokens it stops at once.
+    stop = llm.get_tokenizer().decode(full.token_ids[:1])
+    assert stop.strip(), full.text
+    early = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                         use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) == 1 and early.text == ""
+    late = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                           min_tokens=4), use_tqdm=False)[0].outputs[0]
+    # The text produced before min_tokens is kept; the stop string only counts from then on.
+    assert len(late.token_ids) >= 4 and late.text.startswith(stop)
+    assert late.token_ids == full.token_ids[: len(late.token_ids)]
+
+
 def test_stop_token_ids_and_min_tokens(llm):
     full = llm.generate("abc", GREEDY, use_tqdm=False)[0].outputs[0]
     stop_tok = full.token_ids[5]

@@ -55,7 +55,10 @@ class Engine:
                     for tid, lp in entry.items():
                         lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
                 seq.logprobs.append(entry)
-            stop_str = seq.detokenizer.append(token) if seq.detokenizer is not None else None
+            stop_str = None
+            if seq.detokenizer is not None:
+                # Stop strings count only once min_tokens are out (the token just appended included).
+                stop_str = seq.detokenizer.append(token, check_stop=len(seq.output_token_ids) >= seq.params.min_tokens)
             stop = check_stop(seq, token, stop_str, self.eos_token_ids, self.config.max_model_len)
             if stop is not None:
                 seq.finish_time = now
