@@ -16,6 +16,7 @@ from typing import Any
 
 from fdlite.jobs.job_config import JOB_KEYS, JobConfigError, Overrides, command_line_error, load_job
 from fdlite.jobs.job_input import FORMATS
+from fdlite.jobs.job_output import OutputFileError
 from fdlite.jobs.options import ENGINE_OPTIONS, SAMPLING_OPTIONS, OptionSpec, parse_cli_value
 
 EXIT_BAD_USAGE = 2
@@ -135,14 +136,9 @@ def _overrides(args: argparse.Namespace) -> Overrides:
 
 
 def _run(args: argparse.Namespace, o: Overrides) -> int:
-    from fdlite.jobs.job_output import OutputFileError
     from fdlite.jobs.job_runner import run_job
 
-    job = load_job(args.job, o)
-    try:
-        return run_job(job, show_progress=not args.no_progress)
-    except OutputFileError as e:
-        raise JobConfigError("output", None, str(e)) from None
+    return run_job(load_job(args.job, o), show_progress=not args.no_progress)
 
 
 def _generate(args: argparse.Namespace, o: Overrides) -> int:
@@ -181,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         o = _overrides(args)
         return _run(args, o) if args.command == "run" else _generate(args, o)
-    except JobConfigError as e:
+    except (JobConfigError, OutputFileError) as e:
         print(f"fdlite: error: {e}", file=sys.stderr)
         return EXIT_BAD_USAGE
     except KeyboardInterrupt:

@@ -97,6 +97,9 @@ class _Where:
                 m = re.search(rf"(?<!\w){re.escape(spelling)}(?!\w)", reason)
                 if m:
                     hits.append((m.start(), -len(spelling), key))
+        # A nested key that is named beats its parent, which its message names too.
+        parents = {key.split(".")[0] for _, _, key in hits if "." in key}
+        hits = [h for h in hits if h[2] not in parents]
         key = prefix + min(hits)[2] if hits else (prefix.rstrip(".") or None)
         return self.error(key, reason)
 

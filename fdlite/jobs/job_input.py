@@ -175,9 +175,9 @@ def _jsonl_rows(path: str) -> Iterator[tuple[int, dict | LineError]]:
             yield line_no, text
             continue
         try:
-            row = json.loads(text)
+            row = json.loads(text.rstrip("\r\n"))
         except json.JSONDecodeError as e:
-            yield line_no, LineError(line_no, None, f"invalid JSON: {e.msg} at column {e.colno}")
+            yield line_no, LineError(line_no, None, f"invalid JSON: {e.msg} (column {e.colno})")
             continue
         if not isinstance(row, dict):
             yield line_no, LineError(line_no, None, f"a line must be a JSON object, got {_json_type(row)}")
@@ -239,6 +239,6 @@ def _csv_rows(path: str) -> Iterator[tuple[int, dict | LineError]]:
                     try:
                         row["sampling"] = json.loads(cell)
                     except json.JSONDecodeError as e:
-                        row = LineError(start, row.get("id"), f"sampling: invalid JSON: {e.msg} at column {e.colno}")
+                        row = LineError(start, row.get("id"), f"sampling: invalid JSON: {e.msg} (column {e.colno})")
                         break
             yield start, row
