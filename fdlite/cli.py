@@ -14,6 +14,7 @@ import sys
 import textwrap
 from typing import Any
 
+from fdlite.config import unknown_key_error
 from fdlite.jobs.job_config import JOB_KEYS, JobConfigError, Overrides, command_line_error, load_job
 from fdlite.jobs.job_input import FORMATS
 from fdlite.jobs.job_output import OutputFileError
@@ -167,10 +168,24 @@ def _generate(args: argparse.Namespace, o: Overrides) -> int:
     return 0
 
 
+def _unknown_arguments(parser: argparse.ArgumentParser, unknown: list[str]) -> int:
+    # argparse only says "unrecognized arguments"; name the closest flag, as job files do for their keys.
+    flag = next((u.split("=", 1)[0] for u in unknown if u.startswith("--")), None)
+    if flag is None:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    known = [s.flag for s in ENGINE_OPTIONS + SAMPLING_OPTIONS]
+    known += [f"--no-{s.flag[2:]}" for s in ENGINE_OPTIONS + SAMPLING_OPTIONS if s.kind == "bool"]
+    known += ["--input", "--output", "--errors", "--summary", "--input-format", "--no-progress", "--chat", "--help"]
+    print(f"fdlite: error: {unknown_key_error('option', flag, known)}", file=sys.stderr)
+    return EXIT_BAD_USAGE
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `fdlite` console script and of `python -m fdlite`; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        return _unknown_arguments(parser, unknown)
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_BAD_USAGE

@@ -236,6 +236,8 @@ def test_bad_job_stops_before_the_model_loads(tmp_path, monkeypatch, capsys):
     assert run(str(bad)) == 2
     assert capsys.readouterr().err == (
         f"fdlite: error: {bad}:1: max_num_seq: unknown option 'max_num_seq'; did you mean 'max_num_seqs'?\n")
+    assert run(job, "--max-num-seq", "3") == 2
+    assert capsys.readouterr().err == "fdlite: error: unknown option '--max-num-seq'; did you mean '--max-num-seqs'?\n"
     assert run(job, "--temperature", "-1") == 2
     assert capsys.readouterr().err == (
         "fdlite: error: command line: --temperature: SamplingParams.temperature must be >= 0, got -1.0\n")

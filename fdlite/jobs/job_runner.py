@@ -38,9 +38,10 @@ CHUNK_SIZE = 1024
 def run_job(job: JobConfig, show_progress: bool = True, stdout: TextIO | None = None) -> int:
     """Run `job` to completion; return the exit code (EXIT_OK or EXIT_LINE_ERRORS).
 
-    Only rank 0 (see `fdlite.jobs.ranks`) reads the input and writes files; other ranks run the same
-    requests and write nothing. Raises `OutputFileError` before loading the model if the existing output
-    cannot be resumed safely.
+    Only rank 0 (see `fdlite.jobs.ranks`) writes files; the other ranks run the same requests and write
+    nothing. With a process group (tensor parallelism) only rank 0 reads the input and the others receive
+    its requests; without one there is nothing to receive them through, so each rank reads the input.
+    Raises `OutputFileError` before loading the model if the existing output cannot be resumed safely.
     """
     stdout = stdout or sys.stdout
     writes = current_rank() == 0
@@ -57,18 +58,19 @@ def run_job(job: JobConfig, show_progress: bool = True, stdout: TextIO | None = 
     if writes and resume.duplicates:
         _say(f"{job.output}: ids present more than once: {', '.join(resume.duplicates[:5])}")
 
+    # The errors file lists the problems of the latest run only: every run re-reads every line (resumed
+    # ids are skipped after the checks), so old entries would be stale or doubled. It exists only when
+    # there are errors. The summary is removed too, so that it exists only once a run has finished.
+    for stale in (job.errors, job.summary):
+        if writes and os.path.exists(stale):
+            os.remove(stale)
+
     llm = LLM(**job.engine_options)
     startup_s = time.perf_counter() - t_start
 
     stats = JobStats()
     output = JsonlAppender(job.output) if writes else None
-    # The errors file lists the problems of the latest run only: every run re-reads every line (resumed
-    # ids are skipped after the checks), so old entries would be stale or doubled. It exists only when
-    # there are errors. The summary is removed too, so that it exists only once a run has finished.
     errors = JsonlAppender(job.errors, truncate=True, lazy=True) if writes else None
-    for stale in (job.errors, job.summary):
-        if writes and os.path.exists(stale):
-            os.remove(stale)
     input_name = os.path.basename(job.input)
 
     def line_error(line: int, request_id: Any, reason: str, progress: Progress | None = None) -> None:
