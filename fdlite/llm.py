@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -125,6 +126,22 @@ class LLM:
         A request that cannot run (empty, too long, bad token ids) comes back with `error` set and
         finish_reason "error"; the other requests of the batch complete normally.
         """
+        done = dict(self.generate_stream(prompts, sampling_params, use_tqdm=use_tqdm))
+        return [done[i] for i in range(len(done))]
+
+    def generate_stream(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Like `generate`, but yield `(index, RequestOutput)` as each request finishes.
+
+        `index` is the prompt's position in `prompts`; requests come in finish order, those that
+        cannot run first. Arguments are checked and prompts tokenized before this returns, so bad
+        arguments raise here rather than mid-iteration. Closing the iterator early drops the
+        requests still in flight, so the engine is left empty for the next call.
+        """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, (int, np.integer)) for t in prompts)
         ):
@@ -140,29 +157,19 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one, or one per prompt"
                 )
-        outputs: list[RequestOutput] = []
+        failed: list[tuple[int, RequestOutput]] = []
         live: list[tuple[RequestOutput, list[Sequence]]] = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             text, ids = self._prompt_ids(prompt)
             out = RequestOutput(request_id=str(i), prompt=text, prompt_token_ids=ids)
-            outputs.append(out)
             problem = self._request_problem(ids, params)
             if problem is not None:
                 self._fail(out, problem)
+                failed.append((i, out))
                 continue
             seqs = [self._new_sequence(i, k, ids, params) for k in range(params.n)]
             live.append((out, seqs))
-        self._run(live, use_tqdm)
-        for out, seqs in live:
-            out.outputs = [self._completion(s) for s in seqs]
-            out.finished = True
-            out.metrics = {
-                "arrival_time": min(s.arrival_time for s in seqs),
-                "first_token_time": min((s.first_token_time for s in seqs if s.first_token_time), default=None),
-                "finish_time": max(s.finish_time for s in seqs),
-                "num_preemptions": sum(s.num_preemptions for s in seqs),
-            }
-        return outputs
+        return self._stream(failed, live, use_tqdm)
 
     def chat(
         self,
@@ -213,10 +220,13 @@ class LLM:
             cumulative_logprob=seq.cumulative_logprob,
         )
 
-    def _run(self, live: list[tuple[RequestOutput, list[Sequence]]], use_tqdm: bool) -> None:
-        remaining = {}
-        for out, seqs in live:
-            remaining[seqs[0].request_index] = len(seqs)
+    def _stream(
+        self, failed: list[tuple[int, RequestOutput]], live: list[tuple[RequestOutput, list[Sequence]]], use_tqdm: bool
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        yield from failed
+        requests = {seqs[0].request_index: (out, seqs) for out, seqs in live}
+        remaining = {index: len(seqs) for index, (_, seqs) in requests.items()}
+        for _, seqs in live:
             for s in seqs:
                 self.engine.add(s)
         progress = Progress(total=len(live), enabled=use_tqdm)
@@ -228,5 +238,31 @@ class LLM:
                     remaining[seq.request_index] -= 1
                     if remaining[seq.request_index] == 0:
                         progress.request_done(seq.num_prompt_tokens)
+                        out, seqs = requests[seq.request_index]
+                        self._finish(out, seqs)
+                        yield seq.request_index, out
         finally:
             progress.close()
+            self._drop_unfinished([s for _, seqs in live for s in seqs])
+
+    def _finish(self, out: RequestOutput, seqs: list[Sequence]) -> None:
+        out.outputs = [self._completion(s) for s in seqs]
+        out.finished = True
+        out.metrics = {
+            "arrival_time": min(s.arrival_time for s in seqs),
+            "first_token_time": min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+            "finish_time": max(s.finish_time for s in seqs),
+            "num_preemptions": sum(s.num_preemptions for s in seqs),
+        }
+
+    def _drop_unfinished(self, seqs: list[Sequence]) -> None:
+        # Only reached with work left when the caller stopped iterating (or an exception escaped):
+        # free their blocks so a later call does not run, or trip over, orphaned sequences.
+        sched = self.engine.scheduler
+        for s in seqs:
+            if s.is_finished:
+                continue
+            if s in sched.running:
+                sched.finish(s, "abort")
+            elif s in sched.waiting:
+                sched.waiting.remove(s)

@@ -1,0 +1,99 @@
+"""The end-of-job summary: counts, tokens, wall time, throughput and latency percentiles.
+
+It is printed for the person watching and written as JSON next to the output for the scheduler or
+dashboard that runs the nightly job. Counts describe the whole job (resumed requests included);
+tokens, times and latencies describe this run, the only one whose timing this process saw.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between ranks (numpy's default); None if empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class JobStats:
+    """Accumulates what the summary reports, one finished request at a time."""
+
+    lines: int = 0  # non-blank input records
+    resumed: int = 0  # done by an earlier run
+    completed: int = 0  # done by this run
+    errors: int = 0  # per-line problems found by this run
+    input_tokens: int = 0
+    output_tokens: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+    ttfts_s: list[float] = field(default_factory=list)
+
+    def add_result(self, prompt_tokens: int, output_tokens: int, latency_s: float | None,
+                   ttft_s: float | None) -> None:
+        self.completed += 1
+        self.input_tokens += prompt_tokens
+        self.output_tokens += output_tokens
+        if latency_s is not None:
+            self.latencies_s.append(latency_s)
+        if ttft_s is not None:
+            self.ttfts_s.append(ttft_s)
+
+    def summary(self, *, job: str, output: str, errors_file: str, startup_s: float, wall_time_s: float,
+                exit_code: int) -> dict[str, Any]:
+        """The summary as a JSON-ready dict."""
+        def pcts(xs: list[float]) -> dict[str, float | None]:
+            return {"p50": _round(percentile(xs, 50)), "p99": _round(percentile(xs, 99))}
+
+        return {
+            "job": job,
+            "output": output,
+            "errors_file": errors_file,
+            "requests": {
+                "lines": self.lines,
+                "done": self.resumed + self.completed,
+                "resumed": self.resumed,
+                "this_run": self.completed,
+                "errors": self.errors,
+            },
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "startup_s": _round(startup_s),
+            "wall_time_s": _round(wall_time_s),
+            "output_tokens_per_s": _round(self.output_tokens / wall_time_s if wall_time_s > 0 else 0.0),
+            "latency_s": pcts(self.latencies_s),
+            "ttft_s": pcts(self.ttfts_s),
+            "exit_code": exit_code,
+        }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def format_summary(s: dict[str, Any], summary_path: str) -> str:
+    """A few human lines for the terminal."""
+    r = s["requests"]
+
+    def sec(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f} s"
+
+    lines = [
+        f"fdlite run: {r['done']}/{r['lines']} requests done ({r['resumed']} resumed, {r['this_run']} this run), "
+        f"{r['errors']} errors",
+        f"  tokens: {s['input_tokens']} input, {s['output_tokens']} output; wall time {s['wall_time_s']:.2f} s "
+        f"(+ {s['startup_s']:.2f} s startup); {s['output_tokens_per_s']:.1f} output tokens/s",
+        f"  latency p50 {sec(s['latency_s']['p50'])}, p99 {sec(s['latency_s']['p99'])}; "
+        f"time to first token p50 {sec(s['ttft_s']['p50'])}, p99 {sec(s['ttft_s']['p99'])}",
+        f"  output: {s['output']}",
+    ]
+    if r["errors"]:
+        lines.append(f"  errors: {s['errors_file']}")
+    lines.append(f"  summary: {summary_path}")
+    return "\n".join(lines)
