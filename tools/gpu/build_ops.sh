@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds libfdlite_allreduce.so (the C ABI of fdlite/ops/csrc) with the local nvcc.
+# Works on a machine without a GPU too (compile check); the GPU run uses the same script.
+#   tools/gpu/build_ops.sh [OUT_DIR]      (default: fdlite/ops/lib)
+# Env: NVCC (default nvcc), FDAR_ARCH (default 90: -gencode arch=compute_90,code=sm_90),
+#      FDAR_DEBUG=1 adds a 20 s spin timeout that traps instead of hanging on a lost peer.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+SRC=fdlite/ops/csrc
+OUT=${1:-fdlite/ops/lib}
+NVCC=${NVCC:-nvcc}
+ARCH=${FDAR_ARCH:-90}
+mkdir -p "$OUT"
+FLAGS=(-O3 -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden -shared
+       -gencode=arch=compute_${ARCH},code=sm_${ARCH}
+       -Xptxas -warn-spills --resource-usage)
+if [[ "${FDAR_DEBUG:-0}" == 1 ]]; then FLAGS+=(-DFDAR_SPIN_TIMEOUT_NS=20000000000ull); fi
+# Everything hidden but the C ABI (FDAR_API in the header); the version script also keeps
+# the statically linked CUDA runtime out of the dynamic symbol table.
+cat > "$OUT/fdar.map" <<'MAP'
+{ global: fdar_*; local: *; };
+MAP
+set -x
+"$NVCC" "${FLAGS[@]}" -Xlinker --version-script="$OUT/fdar.map" \
+  "$SRC/custom_all_reduce.cu" "$SRC/custom_all_reduce_capi.cu" \
+  -o "$OUT/libfdlite_allreduce.so"
