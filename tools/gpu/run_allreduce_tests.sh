@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Builds fdlite's custom all-reduce on the GPU machine and runs every test and benchmark
+# that machine allows, in priority order, each under its own time limit so that one hang
+# cannot eat the whole call. Logs and JSON results go to $OUT (default /tmp/fdar_out).
+#   bash tools/gpu/run_allreduce_tests.sh            (from the repository root or anywhere)
+# Env: BUDGET_S (default 560): stop starting steps once this many seconds have gone;
+#      REPLAYS (default 10000): graph replays per world size in the sim test.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/fdar_out}
+mkdir -p "$OUT"
+BUDGET_S=${BUDGET_S:-560}
+REPLAYS=${REPLAYS:-10000}
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+RES=$(mktemp -d)
+H=tools/gpu/allreduce_harness.py
+declare -a SUMMARY
+
+step() {  # step NAME LIMIT_S CMD...: run if time is left, record the outcome
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET_S - SECONDS))
+  if (( left < 20 )); then SUMMARY+=("$name: SKIPPED (time budget)"); echo "== $name skipped"; return; fi
+  (( limit > left )) && limit=$left
+  echo "== $name (limit ${limit}s, t=${SECONDS}s)"
+  timeout -k 5 "$limit" "$@"
+  local rc=$?
+  case $rc in
+    0) SUMMARY+=("$name: ok (${SECONDS}s)") ;;
+    124|137) SUMMARY+=("$name: TIMEOUT after ${limit}s") ;;
+    *) SUMMARY+=("$name: FAILED rc=$rc") ;;
+  esac
+}
+
+echo "== machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+nvcc --version | tail -1
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+
+# Release build (benchmarks) and a build whose barriers trap after 20 s instead of
+# hanging (tests), both with the machine's nvcc for sm_90.
+step build_release 120 tools/gpu/build_ops.sh build/fdar_release
+step build_debug 120 env FDAR_DEBUG=1 tools/gpu/build_ops.sh build/fdar_debug
+REL=build/fdar_release/libfdlite_allreduce.so
+DBG=build/fdar_debug/libfdlite_allreduce.so
+
+for W in 1 2 4 8; do
+  step "sim_W${W}_correctness_graph" 150 env FDLITE_OPS_LIB=$DBG python3 $H sim --world $W \
+    --tests correctness,graph --replays "$REPLAYS" --out "$RES/sim_W${W}.json"
+done
+step dist_nccl_W1 150 env FDLITE_OPS_LIB=$REL python3 $H dist --world 1 --backend nccl --bench \
+  --replays "$REPLAYS" --out "$RES/dist_nccl_W1.json"
+step dist_gloo_W2_one_gpu 90 env FDLITE_OPS_LIB=$DBG python3 $H dist --world 2 --backend gloo \
+  --out "$RES/dist_gloo_W2.json"
+for W in 1 2 4 8; do
+  step "sim_W${W}_bench" 90 env FDLITE_OPS_LIB=$REL python3 $H sim --world $W --tests bench \
+    --out "$RES/bench_sim_W${W}.json"
+done
+step paddle_binding_cuda_compile 60 bash tools/gpu/check_paddle_binding.sh
+
+python3 - "$RES" "$OUT/results.json" <<'PY'
+import json, os, sys
+res, out = sys.argv[1], sys.argv[2]
+allr = {}
+for f in sorted(os.listdir(res)):
+    with open(os.path.join(res, f)) as fh:
+        allr[f[:-5]] = json.load(fh)
+with open(out, "w") as fh:
+    json.dump(allr, fh, indent=1)
+print("results:", ", ".join(allr))
+PY
+echo "== summary"
+printf '%s\n' "${SUMMARY[@]}"
