@@ -130,6 +130,7 @@ class Sim:
         log(f"[sim W={world}] {sms} SMs, {per_sm} blocks/SM resident -> max_blocks {self.max_blocks}")
         self.group = car.CustomAllReduce.local_group(world, staging_bytes=staging, max_blocks=self.max_blocks, lib=lib)
         self.streams = [torch.cuda.Stream(device=self.dev) for _ in range(world)]
+        self.keepalive = []
 
     def launch(self, xs: torch.Tensor, outs: torch.Tensor, dtype: str, algo: str) -> None:
         """All ranks' all-reduce of xs[r] into outs[r], ordered after the current stream."""
@@ -169,9 +170,8 @@ def sim_correctness(sim: Sim, dtypes, sizes, seed: int) -> dict:
                     outs = xs if inplace else torch.full_like(xs, float("nan"))
                     sim.launch(xs, outs, dtype, algo)
                     chk = Check(dev)
-                    for r in range(W):
-                        chk.add(outs[r], ref, tol)
-                        chk_all.add(outs[r], ref, tol)
+                    chk.add(outs, ref, tol)  # all ranks at once (ref broadcasts)
+                    chk_all.add(outs, ref, tol)
                     same = bool((outs == outs[0:1]).all()) if W > 1 else True
                     r_ = chk.result()
                     res["runs"] += 1
@@ -192,8 +192,8 @@ def sim_correctness(sim: Sim, dtypes, sizes, seed: int) -> dict:
         x64 = xs.double()
         outs = torch.full_like(xs, float("nan"))
         sim.launch(xs, outs, dtype, "auto")
-        for r in range(W):
-            chk.add(outs[r], x64.sum(0), tolerance(x64.sum(0), x64.abs().sum(0), dtype, W))
+        chk.add(outs, x64.sum(0), tolerance(x64.sum(0), x64.abs().sum(0), dtype, W))
+    sim.keepalive.append(xs)  # registered: its address must stay this buffer's
     after = [g.stats()["registered"] for g in sim.group]
     res["registered_eager"] = {**chk.result(), "path_counted": all(a - b == 3 for a, b in zip(after, before))}
     # argument checks the C side must refuse (no launch)
@@ -254,8 +254,7 @@ def sim_graph(sim: Sim, replays: int, seed: int) -> dict:
     torch.cuda.synchronize()
     x64 = xs0.double()
     chk = Check(dev)
-    for r in range(W):
-        chk.add(outs0[r], x64.sum(0), tolerance(x64.sum(0), x64.abs().sum(0), "bfloat16", W))
+    chk.add(outs0, x64.sum(0), tolerance(x64.sum(0), x64.abs().sum(0), "bfloat16", W))
     res["replay_before_register"] = {
         "error_bits_per_rank": errs, "outputs_untouched": untouched, "registered": n_reg,
         "after_register": chk.result(),
@@ -300,15 +299,13 @@ def sim_graph(sim: Sim, replays: int, seed: int) -> dict:
                 outs.fill_(float("nan"))
         replay_all(sim, graphs)
         for (ref, tol), (dtype, n, algo, inplace, xs, outs), c in zip(refs, bufs, checks):
-            for r in range(W):
-                c.add(outs[r], ref, tol)
+            c.add(outs, ref, tol)
         if it % 100 == 99:  # eager calls between replays share the epoch counters
             ex.normal_(generator=gen)
             e64 = ex.double()
             eo = torch.full_like(ex, float("nan"))
             sim.launch(ex, eo, "bfloat16", "auto")
-            for r in range(W):
-                eager_chk.add(eo[r], e64.sum(0), tolerance(e64.sum(0), e64.abs().sum(0), "bfloat16", W))
+            eager_chk.add(eo, e64.sum(0), tolerance(e64.sum(0), e64.abs().sum(0), "bfloat16", W))
         if it % 1000 == 999:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
@@ -554,9 +551,8 @@ def dist_worker(rank: int, args, result_path: str) -> None:
         out["error"] = traceback.format_exc()
         out["ok"] = False
         log(f"[rank {rank}] {out['error']}")
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(out, f, indent=1)
+    with open(f"{result_path}.{rank}", "w") as f:
+        json.dump(out, f, indent=1)
     try:
         dist.barrier()
         dist.destroy_process_group()
@@ -619,8 +615,17 @@ def run_dist(args) -> dict:
         return {"mode": "dist", "world": args.world, "ok": False,
                 "blocked": f"NCCL needs one GPU per rank: {ngpu} GPU(s) for world {args.world}"}
     mp.spawn(dist_worker, args=(args, result_path), nprocs=args.world, join=True)
-    with open(result_path) as f:
-        return json.load(f)
+    ranks = []
+    for r in range(args.world):
+        with open(f"{result_path}.{r}") as f:
+            ranks.append(json.load(f))
+    res = ranks[0]
+    res["ok"] = all(r.get("ok", False) for r in ranks)
+    res["per_rank_ok"] = [r.get("ok", False) for r in ranks]
+    res["per_rank_errors"] = [r["error"] for r in ranks if "error" in r]
+    if args.world > 1:
+        log(f"[dist] per-rank ok: {res['per_rank_ok']}")
+    return res
 
 
 def main(argv=None) -> int:
