@@ -393,11 +393,18 @@ def sim_bench(sim: Sim, sizes, dtype: str, seed: int, graph_replays: int) -> lis
         # local floor: one device-to-device copy of the message (what W=1 must at least do)
         c_in, c_out = xs[0], outs[0]
         t_copy = time_region(lambda k: [c_out.copy_(c_in) for _ in range(k)], iters)
+        # and the same copy as 10 nodes of one graph: the per-kernel floor inside a graph
+        cgc = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cgc, stream=sim.streams[0]):
+            for _ in range(10):
+                c_out.copy_(c_in)
+        cgc.replay()
+        t_copy10 = time_region(lambda k: [cgc.replay() for _ in range(k)], max(reps_g // 10, 10), reps=3) / 10
         row = {"world": W, "dtype": dtype, "bytes": nbytes, "custom_eager_us": t_eager, "custom_graph_us": t_graph,
-               "custom_in_graph_x10_us": t_graph10, "local_copy_us": t_copy}
+               "custom_in_graph_x10_us": t_graph10, "local_copy_us": t_copy, "local_copy_in_graph_x10_us": t_copy10}
         rows.append(row)
         log(f"  W={W} {fmt_bytes(nbytes):>8}  eager {t_eager:8.2f} us  graph {t_graph:8.2f} us  "
-            f"in-graph x10 {t_graph10:8.2f} us  copy {t_copy:8.2f} us")
+            f"in-graph x10 {t_graph10:8.2f} us  copy {t_copy:8.2f} us  copy in-graph x10 {t_copy10:8.2f} us")
         del graphs, graphs10
     errs = sim.device_errors()
     if any(errs):
@@ -486,8 +493,10 @@ def dist_worker(rank: int, args, result_path: str) -> None:
             dist.all_reduce(a64)
             return x64.to(dev), a64.to(dev)
 
-        sizes = POW2_SIZES + ODD_SIZES if nccl else [4 * KIB, 64 * KIB + 16, MIB]
-        dtypes = args.dtypes if nccl else ["bfloat16", "float32"]
+        # gloo on one GPU: the processes time-slice the GPU (each barrier waits for a
+        # context switch), so fewer and smaller messages
+        sizes = POW2_SIZES + ODD_SIZES if nccl else [s for s in POW2_SIZES + ODD_SIZES if s <= 4 * MIB]
+        dtypes = args.dtypes
         chk, vs_nccl, fails = Check(dev), {}, []
         for dtype in dtypes:
             es = torch.tensor([], dtype=TORCH_DT[dtype]).element_size()
@@ -526,7 +535,7 @@ def dist_worker(rank: int, args, result_path: str) -> None:
             with torch.cuda.graph(cg, stream=s):
                 for dtype, algo, x, o in bufs:
                     g.all_reduce(x, o, algo=algo)
-        replays = args.replays if nccl else min(args.replays, 20)
+        replays = args.replays if nccl else args.gloo_replays
         checks = [Check(dev) for _ in bufs]
         t0 = time.time()
         for it in range(replays):
@@ -637,6 +646,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
     ap.add_argument("--replays", type=int, default=10000)
     ap.add_argument("--graph-replays", type=int, default=1000)
+    ap.add_argument("--gloo-replays", type=int, default=200, help="dist gloo: graph replays (time-sliced GPU)")
     ap.add_argument("--staging", type=int, default=64 * MIB)
     ap.add_argument("--max-blocks", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0, help="0: fresh from os.urandom")

@@ -50,8 +50,12 @@ for W in 1 2 4 8; do
 done
 step dist_nccl_W1 150 env FDLITE_OPS_LIB=$REL python3 $H dist --world 1 --backend nccl --bench \
   --replays "$REPLAYS" --out "$RES/dist_nccl_W1.json"
-step dist_gloo_W2_one_gpu 90 env FDLITE_OPS_LIB=$DBG python3 $H dist --world 2 --backend gloo \
-  --out "$RES/dist_gloo_W2.json"
+# CUDA IPC between processes that share one GPU (gloo for the handle exchange and the
+# reference): the cross-process path of a real multi-GPU run, minus NVLink.
+step dist_gloo_W2_one_gpu 120 env FDLITE_OPS_LIB=$DBG python3 $H dist --world 2 --backend gloo \
+  --gloo-replays 200 --out "$RES/dist_gloo_W2.json"
+step dist_gloo_W4_one_gpu 120 env FDLITE_OPS_LIB=$DBG python3 $H dist --world 4 --backend gloo \
+  --gloo-replays 50 --dtypes bfloat16 --out "$RES/dist_gloo_W4.json"
 for W in 1 2 4 8; do
   step "sim_W${W}_bench" 90 env FDLITE_OPS_LIB=$REL python3 $H sim --world $W --tests bench \
     --out "$RES/bench_sim_W${W}.json"
