@@ -43,6 +43,19 @@ step build_release 120 tools/gpu/build_ops.sh build/fdar_release
 step build_debug 120 env FDAR_DEBUG=1 tools/gpu/build_ops.sh build/fdar_debug
 REL=build/fdar_release/libfdlite_allreduce.so
 DBG=build/fdar_debug/libfdlite_allreduce.so
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+
+# The real thing, first when the machine has the GPUs: one process per GPU, CUDA IPC
+# over NVLink/P2P, NCCL as reference and baseline (correctness, 10,000 graph replays
+# with rewritten inputs, then latency 4 KiB..64 MiB eager and in a graph).
+for W in 2 4 8; do
+  if (( NGPU >= W )); then
+    step "dist_nccl_W${W}" 240 env FDLITE_OPS_LIB=$REL python3 $H dist --world $W --backend nccl \
+      --bench --replays "$REPLAYS" --out "$RES/dist_nccl_W${W}.json"
+  else
+    SUMMARY+=("dist_nccl_W${W}: BLOCKED (${NGPU} GPU(s) here, needs ${W})")
+  fi
+done
 
 for W in 1 2 4 8; do
   step "sim_W${W}_correctness_graph" 150 env FDLITE_OPS_LIB=$DBG python3 $H sim --world $W \
