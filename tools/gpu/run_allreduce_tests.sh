@@ -4,7 +4,8 @@
 # cannot eat the whole call. Logs and JSON results go to $OUT (default /tmp/fdar_out).
 #   bash tools/gpu/run_allreduce_tests.sh            (from the repository root or anywhere)
 # Env: BUDGET_S (default 560): stop starting steps once this many seconds have gone;
-#      REPLAYS (default 10000): graph replays per world size in the sim test.
+#      REPLAYS (default 10000): graph replays per world size in the sim test;
+#      ONLY (a bash regex, default all): run only the steps whose names match.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/fdar_out}
@@ -19,6 +20,7 @@ declare -a SUMMARY
 
 step() {  # step NAME LIMIT_S CMD...: run if time is left, record the outcome
   local name=$1 limit=$2; shift 2
+  if [[ -n "${ONLY:-}" && ! "$name" =~ $ONLY ]]; then return; fi
   local left=$((BUDGET_S - SECONDS))
   if (( left < 20 )); then SUMMARY+=("$name: SKIPPED (time budget)"); echo "== $name skipped"; return; fi
   (( limit > left )) && limit=$left
