@@ -1,30 +1,46 @@
 """`capture_custom_allreduce()`: the context every CUDA-graph capture runs inside.
 
-The custom all-reduce reads its input through a table of registered pointers when a graph is being
-captured, and those pointers can only be registered once capture ends (seed:
+The custom all-reduce (custom_all_reduce.py) reads its input through a table of registered pointers
+when a graph is being captured, and those pointers can only be registered once capture ends (seed:
 pr_sot_custom_allreduce.md). So capture must run inside this context, and SOT must translate inside
-it too, so that the "are we capturing" branch is translated the way replay needs it. With one rank, or
-before the custom all-reduce library is built, the context does no communication work: it only
-marks that capture is under way and, at exit, asks a registered communicator to register the
-graph buffers.
+it too, so that the "are we capturing" branch is translated the way replay needs it.
+
+Communicators that take part register themselves (`register_capture_participant`): each gets
+`begin_capture()` when the outermost context is entered and `end_capture(register=...)` when it
+exits, with register=False after an exception (a failed capture must not register half its
+buffers). With one rank, or without the custom library, nothing is registered and the context
+only marks that capture is under way.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Protocol
+
+
+class CaptureParticipant(Protocol):
+    def begin_capture(self) -> None: ...
+
+    def end_capture(self, register: bool = True) -> int: ...
+
 
 _state = {"depth": 0}
-_on_exit: list[Callable[[], None]] = []
+_participants: list[CaptureParticipant] = []
 
 
 def is_capturing_custom_allreduce() -> bool:
     return _state["depth"] > 0
 
 
-def register_capture_exit_hook(fn: Callable[[], None]) -> None:
-    """A communicator's "register the graph buffers now" step, run when the outermost context exits."""
-    _on_exit.append(fn)
+def register_capture_participant(comm: CaptureParticipant) -> None:
+    """Have `comm` record graph buffers during capture and register them when capture ends."""
+    if comm not in _participants:
+        _participants.append(comm)
+
+
+def unregister_capture_participant(comm: CaptureParticipant) -> None:
+    if comm in _participants:
+        _participants.remove(comm)
 
 
 @contextlib.contextmanager
@@ -32,11 +48,17 @@ def capture_custom_allreduce(recorder=None):
     """Mark CUDA-graph capture for the all-reduce; `recorder` (a PhaseRecorder) gets begin/end events."""
     ctx = recorder.phase("capture_custom_allreduce", log=False) if recorder is not None else contextlib.nullcontext()
     with ctx:
+        outermost = _state["depth"] == 0
+        if outermost:
+            for comm in _participants:
+                comm.begin_capture()
         _state["depth"] += 1
+        ok = False
         try:
             yield
+            ok = True
         finally:
             _state["depth"] -= 1
-            if _state["depth"] == 0:
-                for fn in list(_on_exit):
-                    fn()
+            if outermost:
+                for comm in _participants:
+                    comm.end_capture(register=ok)
