@@ -105,11 +105,16 @@ class EngineConfig:
     graph_optimization_config: GraphOptimizationConfig = _opt(
         None, "Graph optimization: dict or JSON with graph_opt_level, use_cudagraph, cudagraph_capture_sizes."
     )
+    use_cudagraph: bool = _opt(False, "Shorthand for graph_optimization_config's use_cudagraph (FastDeploy's --use-cudagraph).")
     enable_custom_all_reduce: bool = _opt(False, "Use fdlite's CUDA-graph-safe custom all-reduce across GPUs.")
     seed: int = _opt(0, "Seed of the engine's random generator (requests without their own seed draw from it).")
 
     def __post_init__(self) -> None:
         self.graph_optimization_config = GraphOptimizationConfig.parse(self.graph_optimization_config)
+        if not isinstance(self.use_cudagraph, bool):
+            raise ValueError(f"use_cudagraph must be a bool, got {self.use_cudagraph!r}")
+        if self.use_cudagraph:
+            self.graph_optimization_config.use_cudagraph = True
         positive = ("max_model_len", "max_num_seqs", "block_size", "tensor_parallel_size",
                     "max_num_partial_prefills", "max_long_partial_prefills")
         for name in positive:

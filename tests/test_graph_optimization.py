@@ -66,6 +66,17 @@ def test_sot_translates_a_bounded_number_of_times(sot_llm):
     assert translation_count() - before <= 2
 
 
+def test_top_level_use_cudagraph_is_fastdeploys_shorthand():
+    from fdlite.config import EngineConfig
+
+    assert EngineConfig(use_cudagraph=True).graph_optimization_config.use_cudagraph is True
+    cfg = EngineConfig(use_cudagraph=True, graph_optimization_config='{"graph_opt_level": 1}')
+    assert cfg.graph_optimization_config.use_cudagraph and cfg.graph_optimization_config.graph_opt_level == 1
+    assert EngineConfig().graph_optimization_config.use_cudagraph is False
+    with pytest.raises(ValueError, match="use_cudagraph must be a bool"):
+        EngineConfig(use_cudagraph="yes")
+
+
 def test_graph_opt_level_2_needs_cinn(qwen3):
     with pytest.raises(ValueError, match="graph_opt_level=2 needs a Paddle build with the CINN compiler"):
         LLM(qwen3, graph_optimization_config={"graph_opt_level": 2}, **COMMON)
