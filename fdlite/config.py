@@ -96,7 +96,7 @@ class EngineConfig:
     gpu_memory_utilization: float = _opt(0.9, "Share of GPU memory fdlite may use (weights, activations, KV cache, graphs).")
     num_gpu_blocks_override: int | None = _opt(None, "Use exactly this many KV-cache blocks instead of profiling.")
     kv_cache_memory_bytes: int | None = _opt(None, "KV-cache byte budget on CPU (default 1 GiB); on GPU profiling sizes the cache.")
-    tensor_parallel_size: int = _opt(1, "Number of GPUs the model is split across.")
+    tensor_parallel_size: int = _opt(1, "Number of GPUs the model is split across (one process each, started by paddle.distributed.launch).")
     enable_prefix_caching: bool = _opt(False, "Reuse KV blocks of shared prompt prefixes.")
     enable_chunked_prefill: bool = _opt(False, "Split long prompts across steps so decodes keep running.")
     max_num_partial_prefills: int = _opt(1, "With chunked prefill: most prompts prefilled at once.")
@@ -106,7 +106,7 @@ class EngineConfig:
         None, "Graph optimization: dict or JSON with graph_opt_level, use_cudagraph, cudagraph_capture_sizes."
     )
     use_cudagraph: bool = _opt(False, "Shorthand for graph_optimization_config's use_cudagraph (FastDeploy's --use-cudagraph).")
-    enable_custom_all_reduce: bool = _opt(False, "Use fdlite's CUDA-graph-safe custom all-reduce across GPUs.")
+    enable_custom_all_reduce: bool = _opt(False, "Use fdlite's CUDA-graph-safe custom all-reduce across GPUs (NCCL, with one log line, where it is not built).")
     seed: int = _opt(0, "Seed of the engine's random generator (requests without their own seed draw from it).")
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 from fdlite.config import EngineConfig
 from fdlite.default_model import default_model_path
 from fdlite.detokenizer import IncrementalDetokenizer
+from fdlite.distributed.lockstep import check_same_requests, requests_digest
 from fdlite.graph.phases import PhaseRecorder
 from fdlite.graph.static_graph import check_graph_opt_level
 from fdlite.models.model_config import ModelConfig
@@ -35,6 +36,11 @@ class LLM:
 
     `LLM(model, **options)` takes every option of `EngineConfig` by name (FastDeploy's names);
     `model=None` uses the built-in default model (random weights, real Qwen3 tokenizer).
+
+    With `tensor_parallel_size=N` the script runs under `paddle.distributed.launch` in N processes,
+    each building its own `LLM` with the same arguments; every rank must call `generate` with the
+    same requests. Rank 0 (`is_driver`) returns the outputs; the other ranks do the same work and get
+    an empty list.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
@@ -69,6 +75,7 @@ class LLM:
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
+        self.parallel = self.runner.parallel
         self.engine = Engine(self.config, self.runner, num_blocks, eos, self.tokenizer)
         self._rng = np.random.default_rng(self.config.seed)
         self.startup_report: dict[str, Any] = {f"{k}_s": v for k, v in self.phases.durations.items()}
@@ -83,6 +90,11 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
+
+    @property
+    def is_driver(self) -> bool:
+        """True on the process that returns outputs: rank 0, or the only process."""
+        return self.parallel.is_driver
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -124,7 +136,8 @@ class LLM:
 
         A prompt is a string, a list of token ids, or a dict with `prompt` or `prompt_token_ids`.
         A request that cannot run (empty, too long, bad token ids) comes back with `error` set and
-        finish_reason "error"; the other requests of the batch complete normally.
+        finish_reason "error"; the other requests of the batch complete normally. Under tensor
+        parallelism ranks other than 0 get [] (see the class docstring).
         """
         done = dict(self.generate_stream(prompts, sampling_params, use_tqdm=use_tqdm))
         return [done[i] for i in range(len(done))]
@@ -140,7 +153,9 @@ class LLM:
         `index` is the prompt's position in `prompts`; requests come in finish order, those that
         cannot run first. Arguments are checked and prompts tokenized before this returns, so bad
         arguments raise here rather than mid-iteration. Closing the iterator early drops the
-        requests still in flight, so the engine is left empty for the next call.
+        requests still in flight, so the engine is left empty for the next call. Under tensor
+        parallelism only rank 0 yields; every rank must iterate to the end (a rank that stops early
+        leaves the others waiting in a collective).
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, (int, np.integer)) for t in prompts)
@@ -159,8 +174,11 @@ class LLM:
                 )
         failed: list[tuple[int, RequestOutput]] = []
         live: list[tuple[RequestOutput, list[Sequence]]] = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            text, ids = self._prompt_ids(prompt)
+        tokenized = [self._prompt_ids(prompt) for prompt in prompts]
+        if self.parallel.world_size > 1:
+            digest = requests_digest([(ids, p) for (_, ids), p in zip(tokenized, params_list)])
+            check_same_requests(self.runner.comm, digest, len(prompts))
+        for i, ((text, ids), params) in enumerate(zip(tokenized, params_list)):
             out = RequestOutput(request_id=str(i), prompt=text, prompt_token_ids=ids)
             problem = self._request_problem(ids, params)
             if problem is not None:
@@ -223,13 +241,15 @@ class LLM:
     def _stream(
         self, failed: list[tuple[int, RequestOutput]], live: list[tuple[RequestOutput, list[Sequence]]], use_tqdm: bool
     ) -> Iterator[tuple[int, RequestOutput]]:
-        yield from failed
+        driver = self.parallel.is_driver
+        if driver:
+            yield from failed
         requests = {seqs[0].request_index: (out, seqs) for out, seqs in live}
         remaining = {index: len(seqs) for index, (_, seqs) in requests.items()}
         for _, seqs in live:
             for s in seqs:
                 self.engine.add(s)
-        progress = Progress(total=len(live), enabled=use_tqdm)
+        progress = Progress(total=len(live), enabled=use_tqdm and driver)
         try:
             while self.engine.has_unfinished():
                 finished, _ = self.engine.step()
@@ -240,7 +260,8 @@ class LLM:
                         progress.request_done(seq.num_prompt_tokens)
                         out, seqs = requests[seq.request_index]
                         self._finish(out, seqs)
-                        yield seq.request_index, out
+                        if driver:
+                            yield seq.request_index, out
         finally:
             progress.close()
             self._drop_unfinished([s for _, seqs in live for s in seqs])

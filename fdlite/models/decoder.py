@@ -8,6 +8,10 @@ launches per layer).
 
 `forward(ids_remove_padding, forward_meta)` takes the flat token batch (FastDeploy's argument
 names, which `support_graph_optimization` relies on) and returns hidden states per token.
+
+With tensor parallelism (`TPPartition`) each rank builds the same layers at its own sizes: its
+attention and KV heads, its MLP columns, its vocabulary rows (parallel_linear.py, vocab_parallel.py).
+With one rank they are the whole model and no collective runs.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from fdlite.graph.decorator import support_graph_optimization
 from fdlite.graph.graph_break import opaque_to_sot
 from fdlite.models.model_config import ModelConfig
+from fdlite.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from fdlite.models.tp_partition import TPPartition
+from fdlite.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_vocab
 from fdlite.ops.activation import silu_and_mul
 from fdlite.ops.attention import paged_attention as _paged_attention
 from fdlite.ops.forward_meta import ForwardMeta
@@ -37,38 +43,18 @@ class DecoderSpec:
     qk_norm: bool = False
 
 
-class Linear(nn.Layer):
-    """y = x @ W (+ b) with W stored [in, out]."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str):
-        super().__init__()
-        self.weight = self.create_parameter([in_features, out_features], dtype=dtype)
-        self.bias = self.create_parameter([out_features], dtype=dtype, is_bias=True) if bias else None
-
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        y = paddle.matmul(x, self.weight)
-        return y + self.bias if self.bias is not None else y
-
-
-class Embedding(nn.Layer):
-    def __init__(self, num_embeddings: int, dim: int, dtype: str):
-        super().__init__()
-        self.weight = self.create_parameter([num_embeddings, dim], dtype=dtype)
-
-    def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
-        return F.embedding(ids, self.weight)
-
-
 class DecoderAttention(nn.Layer):
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, max_positions: int):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, max_positions: int,
+                 tp: TPPartition):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = tp.num_heads, tp.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias or cfg.attention_bias, dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.attention_bias, dtype)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                             spec.qkv_bias or cfg.attention_bias, dtype)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.attention_bias, dtype, tp.size)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
@@ -90,22 +76,23 @@ class DecoderAttention(nn.Layer):
 
 
 class DecoderMLP(nn.Layer):
-    def __init__(self, cfg: ModelConfig, dtype: str):
+    def __init__(self, cfg: ModelConfig, dtype: str, tp: TPPartition):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * tp.intermediate_size, cfg.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(tp.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, tp.size)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, max_positions: int):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, max_positions: int,
+                 tp: TPPartition):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = DecoderAttention(cfg, spec, layer_id, dtype, max_positions)
+        self.self_attn = DecoderAttention(cfg, spec, layer_id, dtype, max_positions, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = DecoderMLP(cfg, dtype)
+        self.mlp = DecoderMLP(cfg, dtype, tp)
 
     def forward(self, positions, hidden, meta):
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
@@ -116,10 +103,11 @@ class DecoderLayer(nn.Layer):
 class DecoderModel(nn.Layer):
     """Embedding, layers, final norm: the part a graph backend translates and captures."""
 
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, dtype: str, max_positions: int):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, dtype: str, max_positions: int, tp: TPPartition):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.LayerList([DecoderLayer(cfg, spec, i, dtype, max_positions) for i in range(cfg.num_hidden_layers)])
+        self.embed_tokens = VocabParallelEmbedding(cfg.hidden_size, dtype, tp)
+        self.layers = nn.LayerList([DecoderLayer(cfg, spec, i, dtype, max_positions, tp)
+                                    for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, ids_remove_padding: paddle.Tensor, positions: paddle.Tensor, forward_meta: ForwardMeta):
@@ -134,11 +122,12 @@ class DecoderForCausalLM(nn.Layer):
 
     spec = DecoderSpec()
 
-    def __init__(self, cfg: ModelConfig, dtype: str, max_positions: int):
+    def __init__(self, cfg: ModelConfig, dtype: str, max_positions: int, tp: TPPartition | None = None):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, self.spec, dtype, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.tp = tp or TPPartition.single(cfg)
+        self.model = DecoderModel(cfg, self.spec, dtype, max_positions, self.tp)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, dtype, self.tp)
         # Tied head on CPU: a transposed copy of the embedding (see module docstring); on GPU the
         # matmul reads the embedding transposed for free.
         self._tied_head_t: paddle.Tensor | None = None
@@ -152,10 +141,14 @@ class DecoderForCausalLM(nn.Layer):
         return self.model(ids_remove_padding=ids_remove_padding, positions=positions, forward_meta=forward_meta)
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """Logits over the whole vocabulary, float32 (every rank takes part in the gather)."""
+        return gather_vocab(self._local_logits(hidden), self.tp).astype("float32")
+
+    def _local_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         elif self._tied_head_t is not None:
             logits = paddle.matmul(hidden, self._tied_head_t)
         else:
             logits = paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
-        return logits.astype("float32")
+        return logits

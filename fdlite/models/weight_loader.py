@@ -5,6 +5,12 @@ stacked into the fused `qkv_proj` / `gate_up_proj` matrices, and linear weights 
 from Hugging Face's [out, in] to Paddle's [in, out]. Shapes in messages are the checkpoint's. Every checkpoint tensor must land
 somewhere and every parameter must be filled: a missing, unexpected or wrongly shaped tensor is an
 error that names it.
+
+With tensor parallelism each rank reads only its own slice of every split tensor
+(`safe_open(...).get_slice(name)[rows]` reads just those bytes of the file), as `TPPartition` says:
+rows of q/k/v, gate/up, the embedding and the LM head; columns of o_proj and down_proj. Norms and the
+row-parallel biases are read whole. The fused matrices are assembled from the slices, so rank r's
+qkv_proj is [q_r | k_r | v_r], the layout its attention splits.
 """
 
 from __future__ import annotations
@@ -12,11 +18,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+from dataclasses import dataclass
 
 import paddle
 from safetensors import safe_open
 
-from fdlite.models.decoder import DecoderForCausalLM, Linear
+from fdlite.models.decoder import DecoderForCausalLM
+from fdlite.models.parallel_linear import Linear
+from fdlite.models.tp_partition import TPPartition
 
 # Tensors some exporters write that carry nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -38,31 +47,73 @@ def weight_files(path: str) -> list[str]:
     return files
 
 
-def _stacked_targets(model: DecoderForCausalLM) -> list[tuple[str, str, int, int]]:
-    """(checkpoint infix, fused infix, row start, row end) for the fused matrices."""
-    attn = model.model.layers[0].self_attn
-    q, kv = attn.q_size, attn.kv_size
-    inter = model.config.intermediate_size
-    return [
-        ("self_attn.q_proj.", "self_attn.qkv_proj.", 0, q),
-        ("self_attn.k_proj.", "self_attn.qkv_proj.", q, q + kv),
-        ("self_attn.v_proj.", "self_attn.qkv_proj.", q + kv, q + 2 * kv),
-        ("mlp.gate_proj.", "mlp.gate_up_proj.", 0, inter),
-        ("mlp.up_proj.", "mlp.gate_up_proj.", inter, 2 * inter),
-    ]
+@dataclass(frozen=True)
+class Route:
+    """Where one checkpoint tensor goes, and which part of it this rank reads."""
+
+    target: str                 # model parameter
+    piece: int | None           # position among the fused pieces ([q, k, v] / [gate, up]); None: the whole parameter
+    axis: int | None = None     # checkpoint axis split across ranks; None: read whole
+    start: int = 0
+    stop: int = 0
+    full: int = 0               # the checkpoint's length along `axis`
+
+
+# (checkpoint infix, fused infix, piece): the stacked matrices.
+_FUSED = [
+    ("self_attn.q_proj.", "self_attn.qkv_proj.", 0),
+    ("self_attn.k_proj.", "self_attn.qkv_proj.", 1),
+    ("self_attn.v_proj.", "self_attn.qkv_proj.", 2),
+    ("mlp.gate_proj.", "mlp.gate_up_proj.", 0),
+    ("mlp.up_proj.", "mlp.gate_up_proj.", 1),
+]
+
+
+def route(name: str, model: DecoderForCausalLM) -> Route:
+    """The `Route` of checkpoint tensor `name` for this model's rank."""
+    tp: TPPartition = model.tp
+    cfg = model.config
+    q_full = cfg.num_attention_heads * cfg.head_dim
+    spans = {  # checkpoint infix -> (this rank's range along axis 0, full length)
+        "q_proj": (tp.q_range, q_full),
+        "k_proj": (tp.kv_range, cfg.num_key_value_heads * cfg.head_dim),
+        "v_proj": (tp.kv_range, cfg.num_key_value_heads * cfg.head_dim),
+        "gate_proj": (tp.intermediate_range, cfg.intermediate_size),
+        "up_proj": (tp.intermediate_range, cfg.intermediate_size),
+    }
+    for ckpt, fused, piece in _FUSED:
+        if ckpt in name:
+            (start, stop), full = spans[ckpt.split(".")[1]]
+            return Route(name.replace(ckpt, fused), piece, 0, start, stop, full)
+    if name.endswith("self_attn.o_proj.weight"):
+        return Route(name, None, 1, *tp.q_range, q_full)
+    if name.endswith("mlp.down_proj.weight"):
+        return Route(name, None, 1, *tp.intermediate_range, cfg.intermediate_size)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return Route(name, None, 0, *tp.vocab_range, cfg.vocab_size)
+    return Route(name, None)
+
+
+def _read(f, name: str, r: Route) -> paddle.Tensor:
+    """This rank's part of `name`: only those bytes are read from the file."""
+    if r.axis is None or (r.start, r.stop) == (0, r.full):
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    index = (slice(r.start, r.stop),) if r.axis == 0 else (slice(None), slice(r.start, r.stop))
+    # A copy: with safetensors 0.8 and Paddle 3.3.1, two live slices of one tensor abort the process at
+    # exit ("The deleter of the pointer is not found", measured); a copy owns its memory.
+    return part[index].clone()
 
 
 def load_weights(model: DecoderForCausalLM, path: str) -> None:
     params = dict(model.named_parameters())
     linear_weights = {f"{name}.weight" for name, layer in model.named_sublayers() if isinstance(layer, Linear)}
-    stacked = _stacked_targets(model) if model.model.layers else []
-    # target param -> {(row start, row end): checkpoint name} still to fill
-    pending: dict[str, dict[tuple[int, int] | None, str]] = {}
+    # target param -> {piece: checkpoint name} still to fill
+    pending: dict[str, dict[int | None, str]] = {name: {None: name} for name in params}
     for name in params:
-        pending[name] = {None: name}
-        for ckpt, fused, start, end in stacked:
+        for ckpt, fused, _ in _FUSED:
             if fused in name:
-                pending[name] = {(s, e): name.replace(fused, c) for c, f, s, e in stacked if f == fused}
+                pending[name] = {p: name.replace(f, c) for c, f, p in _FUSED if f == fused}
                 break
     parts: dict[str, dict] = {name: {} for name in params}
 
@@ -73,30 +124,32 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
                     continue
                 if ckpt_name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied: some exporters still write the copy
-                target, rows = ckpt_name, None
-                for ckpt, fused, start, end in stacked:
-                    if ckpt in ckpt_name:
-                        target, rows = ckpt_name.replace(ckpt, fused), (start, end)
-                        break
-                if target not in params:
+                r = route(ckpt_name, model)
+                if r.target not in params:
                     raise ValueError(
                         f"unexpected tensor {ckpt_name!r} in {os.path.basename(file)}: "
                         f"{model.config.architecture} has no such weight"
                     )
-                param = params[target]
-                transposed = target in linear_weights
-                expected = list(param.shape)[::-1] if transposed else list(param.shape)
-                if rows is not None:
-                    expected[0] = rows[1] - rows[0]
-                tensor = f.get_tensor(ckpt_name)
-                if list(tensor.shape) != expected:
+                param = params[r.target]
+                transposed = r.target in linear_weights
+                local = list(param.shape)[::-1] if transposed else list(param.shape)  # checkpoint orientation
+                expected = list(local)
+                if r.axis is not None:
+                    expected[r.axis] = r.full
+                shape = list(f.get_slice(ckpt_name).get_shape())
+                if shape != expected:
                     raise ValueError(
-                        f"tensor {ckpt_name!r} in {os.path.basename(file)} has shape {list(tensor.shape)}, "
+                        f"tensor {ckpt_name!r} in {os.path.basename(file)} has shape {shape}, "
                         f"expected {expected} from config.json"
                     )
-                tensor = tensor.astype(param.dtype)
-                parts[target][rows] = tensor.t().contiguous() if transposed else tensor
-                pending[target].pop(rows, None)
+                tensor = _read(f, ckpt_name, r).astype(param.dtype)
+                if r.piece is None and r.axis is not None and tensor.shape[r.axis] < local[r.axis]:
+                    # The last rank's vocabulary rows: zero padding up to vocab_per_rank.
+                    pad = list(tensor.shape)
+                    pad[r.axis] = local[r.axis] - tensor.shape[r.axis]
+                    tensor = paddle.concat([tensor, paddle.zeros(pad, dtype=tensor.dtype)], axis=r.axis)
+                parts[r.target][r.piece] = tensor.t().contiguous() if transposed else tensor
+                pending[r.target].pop(r.piece, None)
 
     missing = [ckpt for per_param in pending.values() for ckpt in per_param.values()]
     if missing:
@@ -108,6 +161,6 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
         for name, param in params.items():
             got = parts[name]
             axis = 1 if name in linear_weights else 0  # fused along the output dimension
-            value = got[None] if None in got else paddle.concat([got[r] for r in sorted(got)], axis=axis)
+            value = got[None] if None in got else paddle.concat([got[p] for p in sorted(got)], axis=axis)
             param.set_value(value)
     model.finalize_weights()

@@ -2,6 +2,11 @@
 
 One code path for CPU and GPU: the device is picked once from what Paddle was built with, and
 GPU-only work (CUDA graphs, CUDA memory statistics) is switched by that capability.
+
+With tensor parallelism one runner runs in each launched process, on its rank's slice of the model
+(`TPPartition`) and of the KV heads. Every rank runs every forward (profiling, warm-up, capture,
+steps) in the same order, so the collectives inside the layers pair up; rank 0 alone samples
+(`distributed/lockstep.py`).
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ from dataclasses import dataclass
 import paddle
 
 from fdlite.config import EngineConfig
+from fdlite.distributed.lockstep import share_sampled_tokens
+from fdlite.distributed.parallel_state import init_tensor_parallel
 from fdlite.kvcache.block_allocator import blocks_for
 from fdlite.kvcache.cache_tensors import KVCache, bytes_per_block
 from fdlite.models.model_config import ModelConfig
 from fdlite.models.registry import model_class
+from fdlite.models.tp_partition import TPPartition
 from fdlite.models.weight_loader import load_weights
 from fdlite.ops.sampler import Sampler, SamplerOutput, SamplingRow
 from fdlite.graph.backend import GraphOptBackend
@@ -26,6 +34,7 @@ from fdlite.graph.phases import PhaseRecorder
 from fdlite.graph.static_graph import translation_count
 from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for
 from fdlite.ops.allreduce import capture_custom_allreduce
+from fdlite.ops.allreduce.communicator import Communicator, set_communicator
 from fdlite.runner.dummy_batch import dummy_rows, even_split
 from fdlite.runner.input_batch import ModelInputs, build_inputs
 from fdlite.runner.sequence import Sequence
@@ -74,7 +83,13 @@ class ModelRunner:
                 f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings})"
             )
-        self.model = model_class(model_config.architecture)(model_config, self.dtype, config.max_model_len)
+        tp_size = config.tensor_parallel_size
+        TPPartition.of(model_config, 0, tp_size)  # a model that cannot be split fails before any process waits
+        self.parallel = init_tensor_parallel(tp_size, self.device)
+        self.comm = Communicator(self.parallel, self.device, config.enable_custom_all_reduce)
+        set_communicator(self.comm)
+        self.tp = TPPartition.of(model_config, self.parallel.rank, tp_size)
+        self.model = model_class(model_config.architecture)(model_config, self.dtype, config.max_model_len, self.tp)
         load_weights(self.model, model_path)
         self.model.eval()
         self.sampler = Sampler()
@@ -84,7 +99,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         c = self.model_config
-        return bytes_per_block(c.num_hidden_layers, self.config.block_size, c.num_key_value_heads, c.head_dim, self.dtype)
+        return bytes_per_block(c.num_hidden_layers, self.config.block_size, self.tp.num_kv_heads, c.head_dim, self.dtype)
 
     def profile_run(self) -> MemoryProfile | None:
         """DESIGN.md step 2: an eager dummy prefill of max_num_batched_tokens tokens with a temporary cache.
@@ -97,7 +112,7 @@ class ModelRunner:
         reset_peak_memory()
         before = device_memory()
         self.kv_cache = KVCache.allocate(temp_blocks, self.config.block_size, self.model_config.num_hidden_layers,
-                                         self.model_config.num_key_value_heads, self.model_config.head_dim, self.dtype)
+                                         self.tp.num_kv_heads, self.model_config.head_dim, self.dtype)
         temp_bytes = temp_blocks * self.bytes_per_block
         with_cache = device_memory()
         self.forward(build_inputs(dummy_rows(lengths, self.config.block_size, temp_blocks), self.config.block_size),
@@ -111,7 +126,18 @@ class ModelRunner:
                              profile_tokens=self.config.max_num_batched_tokens)
 
     def num_blocks_to_allocate(self, profile: MemoryProfile | None) -> int:
-        """DESIGN.md step 3: `num_gpu_blocks_override`, else the profile formula (GPU) or the byte budget (CPU)."""
+        """DESIGN.md step 3, agreed over ranks: every rank schedules the same blocks, so all take the fewest any can hold."""
+        local = self._local_num_blocks(profile)
+        if self.parallel.world_size == 1:
+            return local
+        agreed = self.comm.reduce_int(local, "min")
+        if agreed != local:
+            logger.info("KV cache: this rank could hold %d blocks; using %d, the fewest of %d ranks",
+                        local, agreed, self.parallel.world_size)
+        return agreed
+
+    def _local_num_blocks(self, profile: MemoryProfile | None) -> int:
+        """`num_gpu_blocks_override`, else the profile formula (GPU) or the byte budget (CPU)."""
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         if profile is None:
@@ -145,7 +171,7 @@ class ModelRunner:
             )
         c = self.model_config
         self.kv_cache = KVCache.allocate(num_blocks, self.config.block_size, c.num_hidden_layers,
-                                         c.num_key_value_heads, c.head_dim, self.dtype)
+                                         self.tp.num_kv_heads, c.head_dim, self.dtype)
         return self.kv_cache
 
     # ---- graph optimization ------------------------------------------------------------
@@ -214,5 +240,11 @@ class ModelRunner:
         logits = self.forward(inputs)
         if logits is None:
             return StepResult(inputs, None)
-        sample_rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in inputs.sample_seqs]
-        return StepResult(inputs, self.sampler(logits, sample_rows, eos_token_ids))
+        sampled = None
+        if self.parallel.is_driver:
+            sample_rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
+                           for s in inputs.sample_seqs]
+            sampled = self.sampler(logits, sample_rows, eos_token_ids)
+        if self.parallel.world_size > 1:
+            sampled = share_sampled_tokens(self.comm, sampled, inputs.sample_seqs)
+        return StepResult(inputs, sampled)

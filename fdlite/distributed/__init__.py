@@ -1,0 +1,1 @@
+"""Tensor parallelism across processes started by `paddle.distributed.launch`."""
