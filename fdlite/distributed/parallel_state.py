@@ -15,8 +15,9 @@ Measured with paddlepaddle 3.3.1 (CPU build), 2026-11-23:
 - `all_reduce` called from a function made opaque to SOT (`graph/graph_break.py`) inside a
   `paddle.jit.to_static(..., full_graph=False)` forward runs eagerly at a graph break and gives the
   same numbers as the dynamic graph, for 3 different token counts.
-- Without the launcher's `PADDLE_DISTRI_BACKEND`, a CPU build's `init_parallel_env()` refuses to start
-  (it asks for 'gloo'), so fdlite sets it to gloo on CPU when it is unset.
+- With `PADDLE_DISTRI_BACKEND` removed from the launcher's environment, a CPU build's
+  `init_parallel_env()` fails ("RuntimeError: The global group is not initialized."), so fdlite sets it
+  to gloo on CPU when it is unset.
 
 On GPU the same code asks for NCCL (Paddle's default with a CUDA build); `paddle.set_device("gpu")`
 picks the GPU the launcher assigned (`FLAGS_selected_gpus`). That path is written, not run here.
