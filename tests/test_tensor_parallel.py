@@ -15,7 +15,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import types
 
 import numpy as np
 import paddle
@@ -370,9 +369,10 @@ def test_custom_all_reduce_is_wired_in_when_available(monkeypatch):
             paddle.assign(inp * 2, output=out)
             return out
 
-    fake = types.ModuleType("fdlite.ops.allreduce.custom_all_reduce")
-    fake.CustomAllReduce = FakeCustomAllReduce
-    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    from fdlite.ops.allreduce import custom_all_reduce
+
+    # Patch the class on the real module: other tests import it, so a sys.modules stand-in would be bypassed.
+    monkeypatch.setattr(custom_all_reduce, "CustomAllReduce", FakeCustomAllReduce)
     monkeypatch.setattr(paddle.distributed.stream, "all_reduce",
                         lambda x, use_calc_stream: calls.append(("nccl", x.shape, use_calc_stream)))
     saved = get_communicator()
