@@ -91,17 +91,34 @@ class EngineConfig:
     dtype: str = _opt("auto", "Weight/activation dtype: auto (from config.json), float32, bfloat16 or float16.")
     max_model_len: int = _opt(2048, "Longest sequence (prompt + output) in tokens.")
     max_num_seqs: int = _opt(8, "Most sequences decoded at once (the batch size).")
-    max_num_batched_tokens: int | None = _opt(None, "Token budget of one step, prefill and decode together (default: max_model_len).")
+    max_num_batched_tokens: int | None = _opt(
+        None, "Token budget of one step, prefill and decode together (default with chunked prefill: 2048 as in "
+        "FastDeploy, capped at max_num_seqs * max_model_len and at least max_num_seqs; without: max_model_len)."
+    )
     block_size: int = _opt(64, "Tokens per KV-cache block.")
     gpu_memory_utilization: float = _opt(0.9, "Share of GPU memory fdlite may use (weights, activations, KV cache, graphs).")
     num_gpu_blocks_override: int | None = _opt(None, "Use exactly this many KV-cache blocks instead of profiling.")
     kv_cache_memory_bytes: int | None = _opt(None, "KV-cache byte budget on CPU (default 1 GiB); on GPU profiling sizes the cache.")
     tensor_parallel_size: int = _opt(1, "Number of GPUs the model is split across (one process each, started by paddle.distributed.launch).")
-    enable_prefix_caching: bool = _opt(False, "Reuse KV blocks of shared prompt prefixes.")
-    enable_chunked_prefill: bool = _opt(False, "Split long prompts across steps so decodes keep running.")
-    max_num_partial_prefills: int = _opt(1, "With chunked prefill: most prompts prefilled at once.")
-    max_long_partial_prefills: int = _opt(1, "With chunked prefill: most long prompts prefilled at once.")
-    long_prefill_token_threshold: int | None = _opt(None, "With chunked prefill: prompts longer than this are long (default max_model_len*0.04).")
+    enable_prefix_caching: bool = _opt(
+        True, "Reuse the KV blocks of shared prefixes (hash-chained full blocks, LRU eviction of unused ones). "
+        "On by default, as in vLLM and SGLang (FastDeploy: off); outputs are the same either way."
+    )
+    enable_chunked_prefill: bool = _opt(
+        True, "Split a prompt longer than the step's remaining token budget across steps, so decodes keep running. "
+        "On by default, as in vLLM (FastDeploy: off); outputs are the same either way."
+    )
+    max_num_partial_prefills: int = _opt(
+        1, "With chunked prefill: most prompts whose prefill spans steps at once; above 1, each prefill's chunk "
+        "is capped at the budget split among them."
+    )
+    max_long_partial_prefills: int = _opt(
+        1, "With chunked prefill: most long prompts (see long_prefill_token_threshold) among those partial "
+        "prefills; shorter prompts go past a long one that has to wait. At most max_num_partial_prefills."
+    )
+    long_prefill_token_threshold: int | None = _opt(
+        None, "With chunked prefill: a prompt with more tokens than this left to compute is long (default max_model_len*0.04)."
+    )
     graph_optimization_config: GraphOptimizationConfig = _opt(
         None, "Graph optimization: dict or JSON with graph_opt_level, use_cudagraph, cudagraph_capture_sizes."
     )
@@ -126,12 +143,22 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = self.max_model_len
+            # FastDeploy's default: a 2048-token step bounds activation memory and keeps decodes
+            # flowing; a step never holds more than max_num_seqs full-length sequences (and the
+            # profiling run spreads the budget over max_num_seqs rows of at most max_model_len).
+            # Without chunking the longest prompt must fit one step.
+            if self.enable_chunked_prefill:
+                self.max_num_batched_tokens = max(min(2048, self.max_num_seqs * self.max_model_len), self.max_num_seqs)
+            else:
+                self.max_num_batched_tokens = self.max_model_len
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
@@ -140,6 +167,11 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= max_num_partial_prefills "
+                f"({self.max_num_partial_prefills})"
             )
         if self.long_prefill_token_threshold is None:
             self.long_prefill_token_threshold = max(1, int(self.max_model_len * 0.04))

@@ -43,6 +43,11 @@ class LLM:
     an empty list.
     """
 
+    # What the last `generate` / `generate_stream` computed: steps, prefill/decode tokens, prefix-cache
+    # queried/hit tokens and hit rate, preemptions, time (see `_generate_stats`). Set when the stream
+    # ends; replaced, never mutated.
+    last_generate_stats: dict[str, Any] = {}
+
     def __init__(self, model: str | None = None, **kwargs: Any):
         t_start = time.perf_counter()
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
@@ -95,6 +100,11 @@ class LLM:
     def is_driver(self) -> bool:
         """True on the process that returns outputs: rank 0, or the only process."""
         return self.parallel.is_driver
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's name). False, with nothing dropped, while a
+        request holds blocks; between `generate` calls none does."""
+        return self.engine.allocator.reset_prefix_cache()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -250,6 +260,7 @@ class LLM:
             for s in seqs:
                 self.engine.add(s)
         progress = Progress(total=len(live), enabled=use_tqdm and driver)
+        before, t0 = self.engine.stats(), time.perf_counter()
         try:
             while self.engine.has_unfinished():
                 finished, _ = self.engine.step()
@@ -265,6 +276,7 @@ class LLM:
         finally:
             progress.close()
             self._drop_unfinished([s for _, seqs in live for s in seqs])
+            self.last_generate_stats = self._generate_stats(before, time.perf_counter() - t0, len(live), log=driver)
 
     def _finish(self, out: RequestOutput, seqs: list[Sequence]) -> None:
         out.outputs = [self._completion(s) for s in seqs]
@@ -274,7 +286,25 @@ class LLM:
             "first_token_time": min((s.first_token_time for s in seqs if s.first_token_time), default=None),
             "finish_time": max(s.finish_time for s in seqs),
             "num_preemptions": sum(s.num_preemptions for s in seqs),
+            "num_cached_tokens": sum(s.num_cached_tokens or 0 for s in seqs),  # prefix-cache hits, all n children
         }
+
+    def _generate_stats(self, before: dict[str, int], elapsed_s: float, num_requests: int,
+                        log: bool = True) -> dict[str, Any]:
+        """Engine counters over one generate call, plus the prefix-cache hit rate; logged as one line (driver only)."""
+        after = self.engine.stats()
+        stats: dict[str, Any] = {k: after[k] - before[k] for k in after}
+        queried = stats["prefix_cache_queried_tokens"]
+        stats["prefix_cache_hit_rate"] = stats["prefix_cache_hit_tokens"] / queried if queried else 0.0
+        stats.update(num_requests=num_requests, elapsed_s=elapsed_s)
+        if log:
+            logger.info(
+                "generate: %d requests in %.2f s, %d steps; prefill tokens computed %d, decode %d; prefix cache "
+                "hit %d of %d tokens (%.1f%%); %d preemptions", num_requests, elapsed_s, stats["num_steps"],
+                stats["prefill_tokens_computed"], stats["decode_tokens_computed"], stats["prefix_cache_hit_tokens"],
+                queried, 100 * stats["prefix_cache_hit_rate"], stats["num_preemptions"],
+            )
+        return stats
 
     def _drop_unfinished(self, seqs: list[Sequence]) -> None:
         # Only reached with work left when the caller stopped iterating (or an exception escaped):

@@ -176,7 +176,8 @@ def test_gpu_sizing_formula_through_the_startup_path(qwen3, monkeypatch):
     llm = LLM(qwen3, gpu_memory_utilization=0.5, **COMMON)
     per_block = llm.runner.bytes_per_block
     # 8 * 0.5 - (1 GiB + 1 MiB) - (2 GiB - (1 GiB + 1 MiB)) + temporary KV bytes, no graphs.
-    lengths = [32] * 8  # max_num_batched_tokens=256 over 8 sequences
+    assert llm.config.max_num_batched_tokens == 2048  # the chunked-prefill default (8 * 256 fits it)
+    lengths = [256] * 8  # max_num_batched_tokens over 8 sequences
     temp_bytes = sum(-(-n // 64) for n in lengths) * per_block
     expected = (4 * GiB - (GiB + 2**20) - (2 * GiB - (GiB + 2**20)) + temp_bytes) // per_block
     assert llm.num_blocks == expected

@@ -72,8 +72,8 @@ def test_shipped_gpu_config_asks_for_graphs():
     # values the dataclasses reject, pointed at the key they name
     ("input: in.jsonl\noutput: o.jsonl\nmax_num_seqs: 0\n",
      "job.yaml:3: max_num_seqs: max_num_seqs must be a positive int, got 0"),
-    ("input: in.jsonl\noutput: o.jsonl\nmax_model_len: 4096\nmax_num_batched_tokens: 100\n",
-     "job.yaml:4: max_num_batched_tokens: max_num_batched_tokens (100) is smaller than max_model_len (4096): "
+    ("input: in.jsonl\noutput: o.jsonl\nenable_chunked_prefill: false\nmax_model_len: 4096\nmax_num_batched_tokens: 100\n",
+     "job.yaml:5: max_num_batched_tokens: max_num_batched_tokens (100) is smaller than max_model_len (4096): "
      "the longest prompt could never be scheduled; raise it or enable_chunked_prefill"),
     ("input: in.jsonl\noutput: o.jsonl\nsampling:\n  max_tokens: 8\n  temperature: -1\n",
      "job.yaml:5: sampling.temperature: SamplingParams.temperature must be >= 0, got -1.0"),

@@ -82,6 +82,9 @@ def test_job_end_to_end_matches_the_python_api(tmp_path, capsys):
     assert summary["input_tokens"] == sum(r["prompt_tokens"] for r in rows)
     assert summary["latency_s"]["p50"] <= summary["latency_s"]["p99"] and summary["output_tokens_per_s"] > 0
     assert summary["exit_code"] == 0
+    cache = summary["prefix_cache"]  # the engine's counters over the run (prefix caching is on by default)
+    assert cache["queried_tokens"] >= summary["input_tokens"] and 0 <= cache["hit_tokens"] <= cache["queried_tokens"]
+    assert summary["prefill_tokens_computed"] == cache["queried_tokens"] - cache["hit_tokens"]
     assert not (tmp_path / "out" / "job.errors.jsonl").exists()
     printed = capsys.readouterr().out
     assert "fdlite run: 13/13 requests done (0 resumed, 13 this run), 0 errors" in printed

@@ -42,7 +42,8 @@ def test_new_prompt_joins_while_others_decode():
 
 
 def test_token_budget_holds_back_a_prompt_until_it_fits():
-    cfg = EngineConfig(max_model_len=16, max_num_seqs=4, max_num_batched_tokens=16, block_size=4)
+    cfg = EngineConfig(max_model_len=16, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                       enable_chunked_prefill=False)
     sched = Scheduler(cfg, BlockAllocator(64, 4))
     for i, n in enumerate((10, 10)):
         sched.add(make_seq(i, n))

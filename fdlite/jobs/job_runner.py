@@ -91,12 +91,14 @@ def run_job(job: JobConfig, show_progress: bool = True, stdout: TextIO | None = 
         progress = Progress(total=stats.resumed + len(pending), enabled=show_progress and writes,
                             desc="fdlite run", initial=stats.resumed)
         t_gen = time.perf_counter()
+        engine_before = llm.engine.stats()  # cumulative counters: the run spans several generate calls
         try:
             for start in range(0, len(pending), CHUNK_SIZE):
                 _run_chunk(llm, job, pending[start:start + CHUNK_SIZE], output, stats, progress, line_error)
         finally:
             progress.close()
         wall_s = time.perf_counter() - t_gen
+        stats.engine = {k: v - engine_before[k] for k, v in llm.engine.stats().items()}
     finally:
         for f in (output, errors):
             if f is not None:

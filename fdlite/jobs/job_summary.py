@@ -34,6 +34,7 @@ class JobStats:
     output_tokens: int = 0
     latencies_s: list[float] = field(default_factory=list)
     ttfts_s: list[float] = field(default_factory=list)
+    engine: dict[str, int] = field(default_factory=dict)  # Engine.stats() counters over this run
 
     def add_result(self, prompt_tokens: int, output_tokens: int, latency_s: float | None,
                    ttft_s: float | None) -> None:
@@ -67,10 +68,17 @@ class JobStats:
             "startup_s": _round(startup_s),
             "wall_time_s": _round(wall_time_s),
             "output_tokens_per_s": _round(self.output_tokens / wall_time_s if wall_time_s > 0 else 0.0),
+            "prefill_tokens_computed": self.engine.get("prefill_tokens_computed", 0),
+            "prefix_cache": _prefix_cache(self.engine),
             "latency_s": pcts(self.latencies_s),
             "ttft_s": pcts(self.ttfts_s),
             "exit_code": exit_code,
         }
+
+
+def _prefix_cache(engine: dict[str, int]) -> dict[str, Any]:
+    queried, hit = engine.get("prefix_cache_queried_tokens", 0), engine.get("prefix_cache_hit_tokens", 0)
+    return {"queried_tokens": queried, "hit_tokens": hit, "hit_rate": _round(hit / queried if queried else 0.0)}
 
 
 def _round(x: float | None) -> float | None:
@@ -89,6 +97,8 @@ def format_summary(s: dict[str, Any], summary_path: str) -> str:
         f"{r['errors']} errors",
         f"  tokens: {s['input_tokens']} input, {s['output_tokens']} output; wall time {s['wall_time_s']:.2f} s "
         f"(+ {s['startup_s']:.2f} s startup); {s['output_tokens_per_s']:.1f} output tokens/s",
+        f"  prefill: {s['prefill_tokens_computed']} tokens computed; prefix cache hit {s['prefix_cache']['hit_tokens']} "
+        f"of {s['prefix_cache']['queried_tokens']} tokens looked up ({100 * s['prefix_cache']['hit_rate']:.1f}%)",
         f"  latency p50 {sec(s['latency_s']['p50'])}, p99 {sec(s['latency_s']['p99'])}; "
         f"time to first token p50 {sec(s['ttft_s']['p50'])}, p99 {sec(s['ttft_s']['p99'])}",
         f"  output: {s['output']}",

@@ -4,15 +4,21 @@ FastDeploy's layout: within a block each KV head's tokens are contiguous, so gat
 by (head, block) yields [kv_heads, tokens, head_dim] with no transpose (a strided copy is slow on CPU).
 The extra last block is scratch: tokens that must write nowhere (rows padded to a captured batch size)
 write to its first slot, so every token can take the same scatter path.
+
+`poison_blocks` (debug) overwrites blocks no one may read: keys become NaN, so any read that
+attention does not mask turns the row's output into NaN, and values become huge but finite, so
+masked reads (probability exactly 0) stay harmless, as they are with stale data.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import paddle
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+POISON_VALUE = 3.0e4  # finite in float16 too
 
 
 def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: str) -> int:
@@ -35,3 +41,14 @@ class KVCache:
         shape = [num_blocks + 1, kv_heads, block_size, head_dim]
         caches = [(paddle.zeros(shape, dtype=dtype), paddle.zeros(shape, dtype=dtype)) for _ in range(num_layers)]
         return cls(num_blocks, block_size, caches)
+
+    def poison_blocks(self, blocks: list[int]) -> None:
+        """Debug: make `blocks` unreadable (NaN keys, huge values) until they are written again."""
+        if not blocks:
+            return
+        index = paddle.to_tensor(np.asarray(blocks, dtype=np.int64))
+        for k, v in self.caches:
+            flat_k, flat_v = k.reshape([k.shape[0], -1]), v.reshape([v.shape[0], -1])  # views: one row per block
+            shape = [len(blocks), flat_k.shape[1]]
+            paddle.scatter_(flat_k, index, paddle.full(shape, float("nan"), dtype=k.dtype), overwrite=True)
+            paddle.scatter_(flat_v, index, paddle.full(shape, POISON_VALUE, dtype=v.dtype), overwrite=True)

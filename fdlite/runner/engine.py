@@ -1,7 +1,16 @@
-"""The step loop: schedule, run the model, sample, detokenize, check stops, free finished blocks."""
+"""The step loop: schedule, run the model, sample, detokenize, check stops, free finished blocks.
+
+After each step the blocks that became full are offered to the prefix cache, before any finished
+sequence lets go of them. The engine also counts what it computed (`stats()`).
+
+Debug: `FDLITE_DEBUG_POISON_FREED_BLOCKS=1` fills every block that no one may read (never
+written, freed, evicted) with NaN keys and huge values, and checks that every write goes to a
+block its sequence holds alone; a stale read then shows in the outputs. For tests; slow.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 
 from fdlite.config import EngineConfig
@@ -18,9 +27,28 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
         self.num_steps = 0
+        self.num_prefill_tokens = 0  # tokens computed for prompts (and recomputed after preemption)
+        self.num_decode_tokens = 0
+        self.debug_poison = os.environ.get("FDLITE_DEBUG_POISON_FREED_BLOCKS", "0") not in ("", "0")
+        if self.debug_poison:
+            self.allocator.on_release = runner.kv_cache.poison_blocks
+            runner.kv_cache.poison_blocks(list(range(num_blocks)))
+
+    def stats(self) -> dict[str, int]:
+        """Counters since the engine started (`LLM.last_generate_stats` takes differences)."""
+        cache = self.allocator.prefix_cache
+        return {
+            "num_steps": self.num_steps,
+            "prefill_tokens_computed": self.num_prefill_tokens,
+            "decode_tokens_computed": self.num_decode_tokens,
+            "prefix_cache_queried_tokens": cache.queried_tokens if cache else 0,
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
+            "prefix_cache_evicted_blocks": cache.num_evictions if cache else 0,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -33,10 +61,18 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.rows:
             raise RuntimeError("scheduler made no progress: a sequence cannot fit the KV cache")
+        for seq, n in batch.rows:
+            if n == 1 and seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1:
+                self.num_decode_tokens += 1
+            else:
+                self.num_prefill_tokens += n
+            if self.debug_poison:
+                self.allocator.check_writable(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
         result = self.runner.execute(batch.rows, self.eos_token_ids)
         self.num_steps += 1
         for seq, n in batch.rows:
             seq.num_computed_tokens += n
+            self.allocator.cache_full_blocks(seq)
         finished = []
         if result.sampled is None:
             return finished, batch.num_tokens

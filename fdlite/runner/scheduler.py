@@ -4,7 +4,25 @@ Each step, running sequences go first (a decode is one token; a partly prefilled
 then waiting ones join while the batch has room (`max_num_seqs`), the budget has tokens
 (`max_num_batched_tokens`) and the cache has blocks. When a running sequence needs a block and none
 is free, the lowest-priority running sequence (the latest to arrive) is preempted: its blocks are
-freed and it goes back to the front of the queue to be recomputed later. No request is dropped.
+freed (their full blocks stay in the prefix cache) and it goes back to the front of the queue to be
+recomputed later. No request is dropped.
+
+A joining sequence first takes the longest cached prefix of its tokens from the prefix cache and
+computes only the rest. A sequence whose next uncached block is being computed in this very step by
+another one (100 requests behind one system prompt, or the n children of one request) waits a step
+and then finds it cached, instead of computing it again.
+
+Chunked prefill: a prompt longer than the budget left in the step gets a chunk of it, and the rest
+in later steps, while decodes keep running. FastDeploy's limits on prefills spanning steps
+("partial" prefills) hold at every step:
+- at most `max_num_partial_prefills` sequences are partially prefilled at once; when that is more
+  than 1, each prefill's chunk is capped at the budget divided by the prefills wanting to run
+  (vLLM's rule), so several long prompts progress side by side;
+- at most `max_long_partial_prefills` of them are long (more than `long_prefill_token_threshold`
+  tokens left to compute); a long prompt that cannot start goes past, so shorter ones behind it
+  start first.
+Sequences passed over (for these limits or to wait for a shared block) keep their place; at most
+`max_num_seqs` are passed over per step, which bounds the scan of a long queue.
 """
 
 from __future__ import annotations
@@ -32,9 +50,15 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
+        self.max_num_partial_prefills = config.max_num_partial_prefills
+        self.max_long_partial_prefills = config.max_long_partial_prefills
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.allocator = allocator
+        self.block_size = allocator.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Sequences whose prefill spans steps and is unfinished -> whether it counts as long.
+        self.partial_prefills: dict[Sequence, bool] = {}
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -46,10 +70,13 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch(rows=[])
+        slot = self._prefill_slot()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if seq in self.partial_prefills:
+                n = min(n, slot)
             if n < seq.num_uncomputed_tokens and not self.chunked_prefill:
                 break
             # Make room, preempting from the tail; the tail may be this sequence itself.
@@ -63,37 +90,123 @@ class Scheduler:
                 break
             self.allocator.grow(seq.block_table, seq.num_computed_tokens + n)
             batch.rows.append((seq, n))
+            self._track_partial(seq, n)
             budget -= n
             i += 1
 
         # New sequences join only on a step that preempted nothing: blocks are short.
-        while not batch.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n < seq.num_uncomputed_tokens and not self.chunked_prefill:
-                break
-            if not self.allocator.can_grow(seq.block_table, seq.num_computed_tokens + n):
-                break
-            self.waiting.popleft()
-            self.allocator.grow(seq.block_table, seq.num_computed_tokens + n)
+        if batch.preempted:
+            return batch
+        in_flight = self._blocks_in_flight(batch)
+        passed_over = 0
+        j = 0
+        while j < len(self.waiting) and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[j]
+            hits = self.allocator.match_prefix(seq)
+            cached = len(hits) * self.block_size
+            todo = seq.num_tokens - cached
+            n = min(todo, budget, slot)
+            if n < todo and not self.chunked_prefill:
+                break  # FCFS: the head waits for a step with room for its whole prompt
+            if (n < todo and not self._may_start_partial(todo)) or self._next_block_in_flight(seq, len(hits), in_flight):
+                passed_over += 1
+                if passed_over > self.max_num_seqs:
+                    break
+                j += 1
+                continue
+            if not self.allocator.can_admit(hits, cached + n):
+                break  # out of blocks: nobody behind it jumps the queue for memory
+            del self.waiting[j]
+            self.allocator.admit(seq, hits, cached + n)
+            seq.num_computed_tokens = cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.rows.append((seq, n))
+            self._track_partial(seq, n)
+            if in_flight is not None:
+                in_flight.update(self._uncomputed_block_hashes(seq))
             budget -= n
         return batch
+
+    # ---- chunked prefill limits ------------------------------------------------------------
+
+    def _prefill_slot(self) -> int:
+        """Most tokens one prefill may take this step: the whole budget, or with several partial
+        prefills allowed, the budget split among the prefills that want to run (vLLM's rule)."""
+        if not self.chunked_prefill or self.max_num_partial_prefills == 1:
+            return self.max_num_batched_tokens
+        wanting = len(self.partial_prefills)
+        long = sum(self.partial_prefills.values())
+        for k, seq in enumerate(self.waiting):
+            if wanting >= self.max_num_partial_prefills or k > self.max_num_seqs:
+                break  # the same look-ahead bound as the admission loop
+            if seq.num_tokens > self.long_prefill_token_threshold:
+                if long >= self.max_long_partial_prefills:
+                    continue  # would not start this step
+                long += 1
+            wanting += 1
+        return max(1, self.max_num_batched_tokens // max(1, wanting))
+
+    def _may_start_partial(self, todo: int) -> bool:
+        if len(self.partial_prefills) >= self.max_num_partial_prefills:
+            return False
+        is_long = todo > self.long_prefill_token_threshold
+        return not (is_long and sum(self.partial_prefills.values()) >= self.max_long_partial_prefills)
+
+    def _track_partial(self, seq: Sequence, n: int) -> None:
+        """After scheduling n tokens of `seq`: is its prefill left unfinished at the end of the step?"""
+        todo = seq.num_uncomputed_tokens
+        if n < todo:
+            self.partial_prefills.setdefault(seq, todo > self.long_prefill_token_threshold)
+        else:
+            self.partial_prefills.pop(seq, None)
+
+    # ---- in-step sharing of prefix blocks ---------------------------------------------------
+
+    def _uncomputed_block_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the full blocks `seq` has still to compute (in this step or later ones)."""
+        cache = self.allocator.prefix_cache
+        first = seq.num_computed_tokens // self.block_size
+        return cache.seq_hashes(seq, seq.num_tokens // self.block_size)[first:]
+
+    def _blocks_in_flight(self, batch: ScheduledBatch) -> set[bytes] | None:
+        """Hashes of full blocks that running prefills are computing; None without prefix caching."""
+        if self.allocator.prefix_cache is None:
+            return None
+        hashes: set[bytes] = set()
+        for seq, n in batch.rows:
+            if n > 1:
+                hashes.update(self._uncomputed_block_hashes(seq))
+        for seq in self.partial_prefills:
+            hashes.update(self._uncomputed_block_hashes(seq))
+        return hashes
+
+    def _next_block_in_flight(self, seq: Sequence, num_hits: int, in_flight: set[bytes] | None) -> bool:
+        """Whether the first block `seq` would compute is being computed by another sequence now,
+        so that waiting a step turns it into a cache hit."""
+        if not in_flight or num_hits >= (seq.num_tokens - 1) // self.block_size:
+            return False
+        return self.allocator.prefix_cache.seq_hashes(seq, num_hits + 1)[num_hits] in in_flight
+
+    # ---- leaving the running set ------------------------------------------------------------
 
     def _preempt(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.partial_prefills.pop(seq, None)
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Mark a running sequence finished and free its blocks."""
+        """Mark a running sequence finished and free its blocks (their full blocks stay cached)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.allocator.free(seq.block_table)
+        self.partial_prefills.pop(seq, None)
         self.running.remove(seq)

@@ -1,7 +1,9 @@
 """One sequence being generated: its tokens, how many of them are in the KV cache, its blocks.
 
-A request with `n > 1` becomes n sequences that share the prompt. After preemption a sequence
-keeps its output tokens and recomputes their KV with the prompt (`num_computed_tokens` back to 0).
+A request with `n > 1` becomes n sequences that share the prompt (through the prefix cache, the
+children share its KV blocks too). After preemption a sequence keeps its output tokens and
+recomputes their KV with the prompt (`num_computed_tokens` back to 0), minus what the prefix cache
+still holds of it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks, filled lazily
+    num_hashed_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
