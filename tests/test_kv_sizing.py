@@ -27,3 +27,14 @@ def test_graph_reserve_comes_out_of_the_cache():
 
 def test_no_negative_block_count():
     assert num_blocks_for(-5, 1024) == 0
+
+
+def test_budget_above_what_a_step_can_hold_still_starts(model_dirs):
+    """An explicit token budget larger than max_num_seqs * max_model_len: the profiling run clamps to what
+    one step can ever hold instead of making rows longer than max_model_len."""
+    from fdlite import LLM, SamplingParams
+
+    llm = LLM(model_dirs["qwen3"], max_model_len=64, max_num_seqs=2, max_num_batched_tokens=1000,
+              enable_chunked_prefill=True, skip_tokenizer_init=True)
+    out = llm.generate([[5] * 60], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -107,7 +107,9 @@ class ModelRunner:
         Returns the measured memory numbers on GPU, None on CPU (no device memory statistics there);
         the forward runs either way, so a shape or memory problem shows at startup, not mid-job.
         """
-        lengths = even_split(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        # A step never holds more than max_num_seqs sequences of max_model_len tokens, whatever the budget says.
+        tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
+        lengths = even_split(tokens, self.config.max_num_seqs)
         temp_blocks = sum(blocks_for(n, self.config.block_size) for n in lengths)
         reset_peak_memory()
         before = device_memory()
@@ -123,7 +125,7 @@ class ModelRunner:
             return None
         return MemoryProfile(total=before.total, allocated_before=with_cache.allocated, peak_during=during.peak,
                              used_after=during.allocated, temporary_kv_bytes=temp_bytes,
-                             profile_tokens=self.config.max_num_batched_tokens)
+                             profile_tokens=tokens)
 
     def num_blocks_to_allocate(self, profile: MemoryProfile | None) -> int:
         """DESIGN.md step 3, agreed over ranks: every rank schedules the same blocks, so all take the fewest any can hold."""
