@@ -27,18 +27,15 @@ class PhaseRecorder:
     def __init__(self) -> None:
         self.events: list[PhaseEvent] = []
         self.durations: dict[str, float] = {}
-        self._open: list[str] = []
 
     @contextlib.contextmanager
     def phase(self, name: str, log: bool = True):
         """Time a phase; its events nest inside the phases already open."""
         t0 = time.perf_counter()
         self.events.append(PhaseEvent("begin", name, t0))
-        self._open.append(name)
         try:
             yield
         finally:
-            self._open.pop()
             t1 = time.perf_counter()
             self.events.append(PhaseEvent("end", name, t1))
             self.durations[name] = self.durations.get(name, 0.0) + (t1 - t0)
@@ -47,9 +44,6 @@ class PhaseRecorder:
 
     def point(self, name: str, **info) -> None:
         self.events.append(PhaseEvent("point", name, time.perf_counter(), info))
-
-    def open_phases(self) -> list[str]:
-        return list(self._open)
 
     def index(self, kind: str, name: str) -> int:
         """Position of the first event (kind, name); ValueError when absent."""
