@@ -23,6 +23,16 @@ def copy_model(src, dst):
     return str(dst)
 
 
+def copy_with_tensors(src, dst, edit):
+    """A copy of the model at `src` whose safetensors file went through `edit(tensors)`."""
+    path = copy_model(src, dst)
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    edit(tensors)
+    save_file(tensors, f)
+    return path
+
+
 def test_empty_and_too_long_prompts_fail_alone(llm):
     good = {"prompt_token_ids": [5, 6, 7]}
     outs = llm.generate([good, {"prompt_token_ids": []}, {"prompt_token_ids": list(range(3, 131))}, good,
@@ -74,21 +84,15 @@ def test_missing_weight_file(model_dirs, tmp_path):
 
 
 def test_missing_tensor_is_named(model_dirs, tmp_path):
-    path = copy_model(model_dirs["qwen3"], tmp_path / "m")
-    f = os.path.join(path, "model.safetensors")
-    tensors = load_file(f)
-    del tensors["model.layers.1.self_attn.k_norm.weight"]
-    save_file(tensors, f)
+    path = copy_with_tensors(model_dirs["qwen3"], tmp_path / "m",
+                             lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
     with pytest.raises(ValueError, match="missing tensor 'model.layers.1.self_attn.k_norm.weight'"):
         LLM(path, **OPTS)
 
 
 def test_wrong_tensor_shape_is_named(model_dirs, tmp_path):
-    path = copy_model(model_dirs["qwen2"], tmp_path / "m")
-    f = os.path.join(path, "model.safetensors")
-    tensors = load_file(f)
-    tensors["model.layers.0.mlp.up_proj.weight"] = np.zeros((100, 64), dtype=np.float32)
-    save_file(tensors, f)
+    path = copy_with_tensors(model_dirs["qwen2"], tmp_path / "m",
+                             lambda t: t.update({"model.layers.0.mlp.up_proj.weight": np.zeros((100, 64), np.float32)}))
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.weight'.*shape \[100, 64\], expected \[128, 64\]"):
         LLM(path, **OPTS)
 

@@ -25,22 +25,23 @@ def candidate_capture_sizes() -> list[int]:
     return sorted(set(sizes))
 
 
-def decode_capture_sizes(max_num_seqs: int, user_sizes: list[int] | None = None,
-                         max_capture_size: int | None = None) -> list[int]:
-    """Sorted decode batch sizes to capture."""
-    limit = min(max_num_seqs, max_capture_size or max_num_seqs)
+def _cut(limit: int, user_sizes: list[int] | None) -> list[int]:
+    """The user's list, or the candidates, up to `limit`; the default list always holds `limit` itself."""
     if user_sizes is not None:
         return sorted({s for s in user_sizes if s <= limit})
     return sorted({s for s in candidate_capture_sizes() if s <= limit} | {limit})
+
+
+def decode_capture_sizes(max_num_seqs: int, user_sizes: list[int] | None = None,
+                         max_capture_size: int | None = None) -> list[int]:
+    """Sorted decode batch sizes to capture."""
+    return _cut(min(max_num_seqs, max_capture_size or max_num_seqs), user_sizes)
 
 
 def prefill_capture_sizes(max_num_batched_tokens: int, user_sizes: list[int] | None = None,
                           max_capture_size: int | None = None) -> list[int]:
     """Sorted prefill token counts to capture (`cudagraph_only_prefill`)."""
-    limit = min(max_num_batched_tokens, max_capture_size or DEFAULT_MAX_PREFILL_CAPTURE)
-    if user_sizes is not None:
-        return sorted({s for s in user_sizes if s <= limit})
-    return sorted({s for s in candidate_capture_sizes() if s <= limit} | {limit})
+    return _cut(min(max_num_batched_tokens, max_capture_size or DEFAULT_MAX_PREFILL_CAPTURE), user_sizes)
 
 
 def padded_size(sizes: list[int], n: int) -> int | None:

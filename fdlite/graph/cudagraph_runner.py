@@ -181,12 +181,10 @@ class CudaGraphRunner:
         if not self.graphs:
             return None
         if self.prefill:
-            if batch.num_decodes or batch.num_rows > self.max_num_seqs:
-                return None
-            return padded_size(self.sizes, batch.num_tokens)
-        if batch.num_decodes != batch.num_rows:  # not decode-only
-            return None
-        return padded_size(self.sizes, batch.num_tokens)
+            fits = batch.num_decodes == 0 and batch.num_rows <= self.max_num_seqs
+        else:
+            fits = batch.num_decodes == batch.num_rows  # decode-only
+        return padded_size(self.sizes, batch.num_tokens) if fits else None
 
     def run(self, batch: HostBatch, size: int) -> paddle.Tensor:
         """Write the batch into the buffers, replay the graph of `size`, return hidden states [T, hidden]."""
