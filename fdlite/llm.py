@@ -12,12 +12,11 @@ import numpy as np
 
 from fdlite.config import EngineConfig
 from fdlite.default_model import default_model_path
-from fdlite.detokenizer import IncrementalDetokenizer
 from fdlite.distributed.lockstep import check_same_requests, requests_digest
 from fdlite.graph.phases import PhaseRecorder
 from fdlite.graph.static_graph import check_graph_opt_level
 from fdlite.models.model_config import ModelConfig
-from fdlite.ops.sampler import make_generator
+from fdlite.ops.random import sequence_seed
 from fdlite.outputs import CompletionOutput, RequestOutput
 from fdlite.progress import Progress
 from fdlite.runner.engine import Engine
@@ -224,12 +223,9 @@ class LLM:
     # ---- internals ------------------------------------------------------------------------
 
     def _new_sequence(self, index: int, child: int, ids: list[int], params: SamplingParams) -> Sequence:
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                           stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         return Sequence(request_index=index, child_index=child, prompt_token_ids=ids, params=params,
-                        generator=make_generator(params.seed, child, self._rng), detokenizer=detok)
+                        seed=sequence_seed(params.seed, child, self._rng),
+                        detokenizer=self.engine.outputs.new_detokenizer(ids, params))
 
     def _fail(self, out: RequestOutput, problem: str) -> None:
         logger.warning("request %s failed: %s", out.request_id, problem)
@@ -240,12 +236,13 @@ class LLM:
     def _completion(self, seq: Sequence) -> CompletionOutput:
         return CompletionOutput(
             index=seq.child_index,
-            text=seq.detokenizer.text if seq.detokenizer is not None else "",
+            text=self.engine.outputs.text(seq),
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=seq.logprobs,
-            cumulative_logprob=seq.cumulative_logprob,
+            # As vLLM: only reported with logprobs (it needs a full-vocabulary log-softmax per token).
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
         )
 
     def _stream(
@@ -275,7 +272,9 @@ class LLM:
                             yield seq.request_index, out
         finally:
             progress.close()
-            self._drop_unfinished([s for _, seqs in live for s in seqs])
+            # Only has work when the caller stopped iterating (or an exception escaped): free the blocks
+            # of what is left so a later call does not run, or trip over, orphaned sequences.
+            self.engine.abort([s for _, seqs in live for s in seqs])
             self.last_generate_stats = self._generate_stats(before, time.perf_counter() - t0, len(live), log=driver)
 
     def _finish(self, out: RequestOutput, seqs: list[Sequence]) -> None:
@@ -305,15 +304,3 @@ class LLM:
                 queried, 100 * stats["prefix_cache_hit_rate"], stats["num_preemptions"],
             )
         return stats
-
-    def _drop_unfinished(self, seqs: list[Sequence]) -> None:
-        # Only reached with work left when the caller stopped iterating (or an exception escaped):
-        # free their blocks so a later call does not run, or trip over, orphaned sequences.
-        sched = self.engine.scheduler
-        for s in seqs:
-            if s.is_finished:
-                continue
-            if s in sched.running:
-                sched.finish(s, "abort")
-            elif s in sched.waiting:
-                sched.waiting.remove(s)

@@ -1,7 +1,12 @@
-"""The step loop: schedule, run the model, sample, detokenize, check stops, free finished blocks.
+"""The step loop: schedule, update the persistent batch, run the model, take the sampled tokens, stop, free.
 
-After each step the blocks that became full are offered to the prefix cache, before any finished
-sequence lets go of them. The engine also counts what it computed (`stats()`).
+One step: the scheduler picks rows (continuing sequences first, then joiners); the persistent
+batch (`InputBatch`) is updated with what changed (joined, preempted, new blocks) and builds the
+flat inputs; the runner runs the forward and samples; the sampled ids are appended and checked
+for stops on token ids (`check_stop`, only for the rows that may stop); text is the output
+processor's business. After each step the blocks that became full are offered to the prefix
+cache, before any finished sequence lets go of them. The engine also counts what it computed
+(`stats()`).
 
 Debug: `FDLITE_DEBUG_POISON_FREED_BLOCKS=1` fills every block that no one may read (never
 written, freed, evicted) with NaN keys and huge values, and checks that every write goes to a
@@ -13,9 +18,14 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 from fdlite.config import EngineConfig
 from fdlite.kvcache.block_allocator import BlockAllocator
+from fdlite.ops.sampler import SamplerOutput
+from fdlite.runner.input_batch import InputBatch, StepInputs
 from fdlite.runner.model_runner import ModelRunner
+from fdlite.runner.output_processor import OutputProcessor
 from fdlite.runner.scheduler import Scheduler
 from fdlite.runner.sequence import Sequence
 from fdlite.runner.stop_checker import check_stop
@@ -25,10 +35,13 @@ class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner, num_blocks: int, eos_token_ids: set[int], tokenizer=None):
         self.config = config
         self.runner = runner
-        self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = runner.model_config.vocab_size
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size, self.vocab_size,
+                                      eos_token_ids)
+        self.outputs = OutputProcessor(tokenizer)
         self.num_steps = 0
         self.num_prefill_tokens = 0  # tokens computed for prompts (and recomputed after preemption)
         self.num_decode_tokens = 0
@@ -56,48 +69,85 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop unfinished sequences (the caller stopped iterating): free their blocks and slots."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq.slot is not None:
+                self.input_batch.remove(seq)
+            self.scheduler.abort(seq)
+
     def step(self) -> tuple[list[Sequence], int]:
         """Run one step; return (sequences finished in it, tokens computed in it)."""
         batch = self.scheduler.schedule()
         if not batch.rows:
             raise RuntimeError("scheduler made no progress: a sequence cannot fit the KV cache")
-        for seq, n in batch.rows:
-            if n == 1 and seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1:
-                self.num_decode_tokens += 1
-            else:
-                self.num_prefill_tokens += n
-            if self.debug_poison:
-                self.allocator.check_writable(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
-        result = self.runner.execute(batch.rows, self.eos_token_ids)
+        ib = self.input_batch
+        for seq in batch.preempted:
+            if seq.slot is not None:
+                ib.remove(seq)
+        for seq in batch.grown:
+            ib.sync_blocks(seq)
+        for seq in batch.joined:
+            ib.add(seq)
+        step = ib.prepare_inputs(batch.rows)
+        self._count_tokens(step)
+        sampled = self.runner.execute(step)
         self.num_steps += 1
+        ib.advance(step)
+        bs = self.config.block_size
         for seq, n in batch.rows:
             seq.num_computed_tokens += n
-            self.allocator.cache_full_blocks(seq)
-        finished = []
-        if result.sampled is None:
-            return finished, batch.num_tokens
+            if seq.num_computed_tokens // bs > seq.num_hashed_blocks:
+                self.allocator.cache_full_blocks(seq)
+        if sampled is None:
+            return [], step.flat.num_tokens
+        return self._take_tokens(step, sampled), step.flat.num_tokens
+
+    def _count_tokens(self, step: StepInputs) -> None:
+        ib = self.input_batch
+        if self.debug_poison:
+            for seq, n in zip((ib.seqs[s] for s in step.slots.tolist()), step.counts.tolist()):
+                self.allocator.check_writable(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
+        s = step.slots
+        # A decode: one token, the sequence's newest, after at least one output token.
+        decode = (step.counts == 1) & (ib.num_tokens[s] > ib.num_prompt[s]) & (ib.num_computed[s] == ib.num_tokens[s] - 1)
+        n_decode = int(decode.sum())
+        self.num_decode_tokens += n_decode
+        self.num_prefill_tokens += step.flat.num_tokens - n_decode
+
+    def _take_tokens(self, step: StepInputs, sampled: SamplerOutput) -> list[Sequence]:
+        """Append the sampled tokens, fill logprobs, and finish the sequences that stop."""
+        tokens = np.asarray(sampled.token_ids, np.int64)
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            bad = int(tokens[(tokens < 0) | (tokens >= self.vocab_size)][0])
+            raise RuntimeError(f"step {self.num_steps}: the sampler returned token id {bad}, outside the vocabulary "
+                               f"[0, {self.vocab_size}); the logits or the sampling op are broken")
+        ib = self.input_batch
+        ib.append_tokens(step.sample_slots, tokens)
+        seqs = step.sample_seqs
         now = time.perf_counter()
-        out = result.sampled
-        for i, seq in enumerate(result.inputs.sample_seqs):
-            token = out.token_ids[i]
+        for seq, token in zip(seqs, sampled.token_ids):
             seq.output_token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.cumulative_logprob += out.sampled_logprobs[i]
-            if seq.params.logprobs is not None:
+        for i in np.nonzero(ib.num_tokens[step.sample_slots] - ib.num_prompt[step.sample_slots] == 1)[0].tolist():
+            if seqs[i].first_token_time is None:
+                seqs[i].first_token_time = now
+        for i, entry in enumerate(sampled.logprobs):
+            if entry is not None:
+                seq = seqs[i]
                 seq.logprobs = seq.logprobs if seq.logprobs is not None else []
-                entry = out.logprobs[i]
-                if self.tokenizer is not None:
-                    for tid, lp in entry.items():
-                        lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
-                seq.logprobs.append(entry)
-            stop_str = None
-            if seq.detokenizer is not None:
-                # Stop strings count only once min_tokens are out (the token just appended included).
-                stop_str = seq.detokenizer.append(token, check_stop=len(seq.output_token_ids) >= seq.params.min_tokens)
+                seq.logprobs.append(self.outputs.decode_logprobs(entry))
+                if sampled.sampled_logprobs[i] is not None:
+                    seq.cumulative_logprob += sampled.sampled_logprobs[i]
+        finished = []
+        for i in ib.stop_candidates(step.sample_slots, tokens, self.config.max_model_len).tolist():
+            seq, token = seqs[i], sampled.token_ids[i]
+            stop_str = self.outputs.on_token(seq, token) if seq.detokenizer is not None else None
             stop = check_stop(seq, token, stop_str, self.eos_token_ids, self.config.max_model_len)
             if stop is not None:
                 seq.finish_time = now
+                ib.remove(seq)
                 self.scheduler.finish(seq, *stop)
                 finished.append(seq)
-        return finished, batch.num_tokens
+        return finished

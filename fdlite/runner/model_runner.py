@@ -12,7 +12,6 @@ steps) in the same order, so the collectives inside the layers pair up; rank 0 a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import paddle
 
@@ -25,7 +24,8 @@ from fdlite.models.model_config import ModelConfig
 from fdlite.models.registry import model_class
 from fdlite.models.tp_partition import TPPartition
 from fdlite.models.weight_loader import load_weights
-from fdlite.ops.sampler import Sampler, SamplerOutput, SamplingRow
+from fdlite.ops.forward_meta import FlatBatch
+from fdlite.ops.sampler import Sampler, SamplerOutput
 from fdlite.graph.backend import GraphOptBackend
 from fdlite.graph.capture_sizes import decode_capture_sizes, prefill_capture_sizes
 from fdlite.graph.cuda import device_memory, reset_peak_memory
@@ -35,9 +35,9 @@ from fdlite.graph.static_graph import translation_count
 from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for
 from fdlite.ops.allreduce import capture_custom_allreduce
 from fdlite.ops.allreduce.communicator import Communicator, set_communicator
-from fdlite.runner.dummy_batch import dummy_rows, even_split
-from fdlite.runner.input_batch import ModelInputs, build_inputs
-from fdlite.runner.sequence import Sequence
+from fdlite.runner.dummy_batch import dummy_batch, even_split
+from fdlite.runner.forward_buffers import ForwardBuffers
+from fdlite.runner.input_batch import StepInputs
 
 logger = logging.getLogger("fdlite")
 
@@ -66,12 +66,6 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
     return dtype
 
 
-@dataclass
-class StepResult:
-    inputs: ModelInputs
-    sampled: SamplerOutput | None
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig):
         self.config = config
@@ -93,6 +87,11 @@ class ModelRunner:
         load_weights(self.model, model_path)
         self.model.eval()
         self.sampler = Sampler()
+        g = config.graph_optimization_config
+        self.buffers = ForwardBuffers(
+            max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs, *(g.cudagraph_capture_sizes or [1])),
+            max_rows=config.max_num_seqs, max_blocks=blocks_for(config.max_model_len, config.block_size),
+            block_size=config.block_size)
         self.kv_cache: KVCache | None = None
         self.graph_runner: CudaGraphRunner | None = None
 
@@ -117,8 +116,7 @@ class ModelRunner:
                                          self.tp.num_kv_heads, self.model_config.head_dim, self.dtype)
         temp_bytes = temp_blocks * self.bytes_per_block
         with_cache = device_memory()
-        self.forward(build_inputs(dummy_rows(lengths, self.config.block_size, temp_blocks), self.config.block_size),
-                     use_graphs=False)
+        self.forward(dummy_batch(lengths, self.config.block_size, temp_blocks), use_graphs=False)
         during = device_memory()
         self.kv_cache = None
         if before is None:
@@ -199,9 +197,8 @@ class ModelRunner:
                            "(device here: %s); running without graphs", self.device)
         if sizes:
             self.graph_runner = CudaGraphRunner(
-                layer, self.kv_cache, sizes, prefill=g.cudagraph_only_prefill, max_num_seqs=self.config.max_num_seqs,
-                max_blocks=blocks_for(self.config.max_model_len, self.config.block_size),
-                graph_factory=cudagraph_factory(self.device))
+                layer, self.kv_cache, self.buffers, sizes, prefill=g.cudagraph_only_prefill,
+                max_num_seqs=self.config.max_num_seqs, graph_factory=cudagraph_factory(self.device))
             with capture_custom_allreduce(recorder), recorder.phase("cudagraph_capture"):
                 self.graph_runner.capture_all(recorder, verify=g.verify_cudagraph)
         if g.graph_opt_level >= 1:
@@ -217,36 +214,33 @@ class ModelRunner:
         """
         bs, nb = self.config.block_size, self.kv_cache.num_blocks
         decode_sizes = sorted({1, min(2, self.config.max_num_seqs), self.config.max_num_seqs})
-        batches = [dummy_rows([2] * n, bs, nb, decode=True) for n in decode_sizes]
-        batches += [dummy_rows([n], bs, nb) for n in sorted({2, min(3, self.config.max_model_len - 1)})]
+        batches = [dummy_batch([2] * n, bs, nb, decode=True) for n in decode_sizes]
+        batches += [dummy_batch([n], bs, nb) for n in sorted({2, min(3, self.config.max_model_len - 1)})]
         before = translation_count()
-        for rows in batches:
-            self.forward(build_inputs(rows, bs), use_graphs=False)
+        for batch in batches:
+            self.forward(batch, use_graphs=False)
         recorder.point("sot_translate", count=translation_count() - before)
 
     @paddle.no_grad()
-    def forward(self, inputs: ModelInputs, use_graphs: bool = True) -> paddle.Tensor | None:
+    def forward(self, flat: FlatBatch, use_graphs: bool = True) -> paddle.Tensor | None:
         """Hidden states of the flat batch (graph replay when its padded size was captured) -> logits of the rows that sample."""
-        size = self.graph_runner.size_for(inputs.host) if use_graphs and self.graph_runner is not None else None
+        size = self.graph_runner.size_for(flat) if use_graphs and self.graph_runner is not None else None
         if size is not None:
-            hidden = self.graph_runner.run(inputs.host, size)
+            hidden = self.graph_runner.run(flat, size)
+            logits_indices = self.buffers.logits_index_view(len(flat.logits_indices))
         else:
-            inputs.meta.caches = self.kv_cache.caches
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if not inputs.sample_seqs:
+            ids, positions, meta, logits_indices = self.buffers.write(flat, self.kv_cache.caches)
+            hidden = self.model(ids, positions, meta)
+        if not len(flat.logits_indices):
             return None
-        return self.model.compute_logits(paddle.gather(hidden, inputs.logits_indices))
+        return self.model.compute_logits(paddle.gather(hidden, logits_indices))
 
-    def execute(self, rows: list[tuple[Sequence, int]], eos_token_ids: set[int]) -> StepResult:
-        inputs = build_inputs(rows, self.config.block_size)
-        logits = self.forward(inputs)
+    def execute(self, step: StepInputs) -> SamplerOutput | None:
+        """Run one step: forward, then (rank 0) sample; every rank gets rank 0's tokens."""
+        logits = self.forward(step.flat)
         if logits is None:
-            return StepResult(inputs, None)
-        sampled = None
-        if self.parallel.is_driver:
-            sample_rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
-                           for s in inputs.sample_seqs]
-            sampled = self.sampler(logits, sample_rows, eos_token_ids)
+            return None
+        sampled = self.sampler(logits, step.sampling) if self.parallel.is_driver else None
         if self.parallel.world_size > 1:
-            sampled = share_sampled_tokens(self.comm, sampled, inputs.sample_seqs)
-        return StepResult(inputs, sampled)
+            sampled = share_sampled_tokens(self.comm, sampled, step.sample_seqs)
+        return sampled

@@ -37,8 +37,13 @@ from fdlite.runner.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
+    """What changed this step (vLLM's `SchedulerOutput`): the rows to run and the diff the persistent
+    batch applies (preempted sequences leave, grown ones append blocks, joined ones take a slot)."""
+
     rows: list[tuple[Sequence, int]]  # (sequence, tokens computed this step), in priority order
     preempted: list[Sequence] = field(default_factory=list)
+    grown: list[Sequence] = field(default_factory=list)  # running sequences that got new blocks
+    joined: list[Sequence] = field(default_factory=list)  # sequences admitted from the queue this step
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +93,8 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            self.allocator.grow(seq.block_table, seq.num_computed_tokens + n)
+            if self.allocator.grow(seq.block_table, seq.num_computed_tokens + n):
+                batch.grown.append(seq)
             batch.rows.append((seq, n))
             self._track_partial(seq, n)
             budget -= n
@@ -123,6 +129,7 @@ class Scheduler:
                 seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            batch.joined.append(seq)
             batch.rows.append((seq, n))
             self._track_partial(seq, n)
             if in_flight is not None:
@@ -201,6 +208,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.partial_prefills.pop(seq, None)
         self.waiting.appendleft(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished sequence, running or waiting."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.finish(seq, "abort")
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark a running sequence finished and free its blocks (their full blocks stay cached)."""
