@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from fdlite import LLM, SamplingParams
-from fdlite.runner.input_batch import build_inputs
 from fdlite.runner.sequence import Sequence
 from hf_models import load_reference, reference_greedy, reference_last_logits
 
@@ -46,15 +45,17 @@ def test_prefill_logits_match_transformers(model_dirs, family):
     prompts = mixed_prompts(12, seed=7)[:4]  # lengths 1, 2, 15, 16 ... plus one batch of all four
     seqs = []
     for p in prompts:
-        seq = Sequence(0, 0, p, SamplingParams(temperature=0), np.random.default_rng(0))
+        seq = Sequence(0, 0, p, SamplingParams(temperature=0), seed=0)
         llm.engine.allocator.grow(seq.block_table, len(p))
+        llm.engine.input_batch.add(seq)
         seqs.append(seq)
-    inputs = build_inputs([(s, s.num_tokens) for s in seqs], llm.config.block_size)
-    logits = llm.runner.forward(inputs).numpy()
-    for seq, row in zip(inputs.sample_seqs, logits):
+    step = llm.engine.input_batch.prepare_inputs([(s, s.num_tokens) for s in seqs])
+    logits = llm.runner.forward(step.flat).numpy()
+    for seq, row in zip(step.sample_seqs, logits):
         ref = reference_last_logits(ref_model, seq.prompt_token_ids).numpy()
         np.testing.assert_allclose(row, ref, rtol=1e-4, atol=1e-4)
     for s in seqs:
+        llm.engine.input_batch.remove(s)
         llm.engine.allocator.free(s.block_table)
 
 

@@ -163,8 +163,8 @@ class Sampler:
 
     @paddle.no_grad()
     def probs(self, logits: paddle.Tensor, batch: SamplingBatch | list[SamplingRow],
-              eos_token_ids: set[int] | None = None) -> np.ndarray:
-        """The distribution each row is sampled from, `[rows, vocab]` float64; greedy rows one-hot.
+              eos_token_ids: set[int] | None = None) -> paddle.Tensor:
+        """The distribution each row is sampled from, `[rows, vocab]` float32; greedy rows one-hot.
 
         For tests: the same weights and the same nucleus predicate as the draw, evaluated for every
         token at once (with a sort) instead of by rejection.
@@ -179,17 +179,17 @@ class Sampler:
         rand = np.nonzero(~greedy)[0]
         if len(rand):
             sub = _take(batch, rand)
-            w = filtered_weights(processed[rand], sub).astype(np.float64)
+            w, nucleus_mass = filtered_weights(processed[rand], sub)
+            w = w.astype(np.float64)
             order = np.argsort(-w, axis=1, kind="stable")
             sorted_w = np.take_along_axis(w, order, axis=1)
             before = np.cumsum(sorted_w, axis=1) - sorted_w  # mass strictly before each token
-            total = w.sum(axis=1, keepdims=True)
-            keep_sorted = before < sub.top_p[:, None].astype(np.float64) * total
+            keep_sorted = before < sub.top_p[:, None].astype(np.float64) * nucleus_mass[:, None]
             keep = np.zeros_like(keep_sorted)
             np.put_along_axis(keep, order, keep_sorted, axis=1)
             w = np.where(keep, w, 0.0)
             out[rand] = w / w.sum(axis=1, keepdims=True)
-        return out
+        return paddle.to_tensor(out.astype(np.float32))
 
 
 # --- steps, usable on their own ------------------------------------------------------------------
@@ -221,11 +221,14 @@ def apply_penalties(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     return (x - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)).astype(np.float32)
 
 
-def filtered_weights(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
-    """Unnormalised probabilities after temperature, top-k and min-p: exp((x - max) / T), the top token 1.
+def filtered_weights(x: np.ndarray, batch: SamplingBatch) -> tuple[np.ndarray, np.ndarray]:
+    """Unnormalised probabilities after temperature, top-k and min-p: exp((x - max) / T), the top token 1;
+    and each row's total weight after top-k, which top-p's nucleus is measured against.
 
     top-k keeps tokens whose logit is >= the k-th largest (ties at the boundary all survive);
-    min-p drops tokens with prob < min_p * max prob, which is `weight < min_p` here.
+    min-p drops tokens with prob < min_p * max prob, which is `weight < min_p` here. Top-p looks at
+    the top-k distribution (vLLM's order), and min-p only removes tokens less likely than any a
+    nucleus test can depend on, so applying min-p first changes nothing but the total.
     """
     w = x / batch.temperature[:, None]
     w -= w.max(axis=1, keepdims=True)
@@ -234,22 +237,21 @@ def filtered_weights(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     for i in np.nonzero((batch.top_k > 0) & (batch.top_k < vocab))[0]:
         kth = np.partition(w[i], vocab - batch.top_k[i])[vocab - batch.top_k[i]]
         w[i][w[i] < kth] = 0.0
+    nucleus_mass = w.sum(axis=1, dtype=np.float64) if (batch.top_p < 1.0).any() else np.ones(len(w))
     mp = np.nonzero(batch.min_p > 0.0)[0]
     if len(mp):
         w[mp] = np.where(w[mp] < batch.min_p[mp, None], 0.0, w[mp])
-    return w
+    return w, nucleus_mass
 
 
 def _draw(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     """Step (e): one token per row from the filtered distribution, top-p by rejection."""
-    w = filtered_weights(x, batch)
+    w, nucleus_mass = filtered_weights(x, batch)
+    threshold = batch.top_p.astype(np.float64) * nucleus_mass
     rows = np.arange(len(w))
     tokens = np.empty(len(w), np.int64)
-    threshold = None  # top_p * total mass, fixed by the first round's distribution
     for round_ in range(_MAX_ROUNDS):
-        picked, total = _inverse_cdf(w[rows], uniforms(batch.seeds[rows], batch.positions[rows], round_))
-        if threshold is None:
-            threshold = batch.top_p.astype(np.float64) * total
+        picked = _inverse_cdf(w[rows], uniforms(batch.seeds[rows], batch.positions[rows], round_))
         tokens[rows] = picked
         sub = w[rows]
         w_pick = sub[np.arange(len(rows)), picked]
@@ -265,8 +267,8 @@ def _draw(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     return tokens
 
 
-def _inverse_cdf(w: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The token where each row's cumulative weight crosses u * total; also the totals.
+def _inverse_cdf(w: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The token where each row's cumulative weight crosses u * total.
 
     Sums per chunk of the vocabulary first, then a cumulative sum inside the one chunk that holds
     the crossing, so no full-vocabulary cumsum is materialised.
@@ -285,7 +287,7 @@ def _inverse_cdf(w: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # Rounding can put the target past the chunk's last token: take its last token with weight.
     last = _CHUNK - 1 - np.argmax(vals[:, ::-1] > 0, axis=1)
     k = np.where((k >= _CHUNK) | (vals[np.arange(n), np.minimum(k, _CHUNK - 1)] <= 0), last, k)
-    return starts[chunk] + k, total
+    return starts[chunk] + k
 
 
 # --- helpers -----------------------------------------------------------------------------------
