@@ -11,7 +11,7 @@ from fdlite.sampling_params import SamplingParams
 
 def make_seq(i: int, prompt_len: int) -> Sequence:
     return Sequence(request_index=i, child_index=0, prompt_token_ids=list(range(3, 3 + prompt_len)),
-                    params=SamplingParams(temperature=0, max_tokens=8), generator=np.random.default_rng(i))
+                    params=SamplingParams(temperature=0, max_tokens=8), seed=i)
 
 
 def run_step(sched: Scheduler) -> list[tuple[int, int]]:

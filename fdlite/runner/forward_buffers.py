@@ -58,6 +58,10 @@ class ForwardBuffers:
         self.logits_indices = _Buffer(max_rows, "int64")
         self.scratch_block: int | None = None
 
+    def tensors(self) -> dict[str, paddle.Tensor]:
+        """Every persistent tensor by name (their addresses must never change)."""
+        return {k: v.tensor for k, v in vars(self).items() if isinstance(v, _Buffer)}
+
     def set_scratch_block(self, block: int) -> None:
         """Point the graph-mode scratch row at the KV cache's scratch block (once the cache exists)."""
         self.scratch_block = block
