@@ -64,9 +64,9 @@ class SamplingBatch:
     def num_rows(self) -> int:
         return len(self.temperature)
 
-    @property
-    def wants_logprobs(self) -> bool:
-        return bool((self.num_logprobs >= 0).any())
+    def logprob_rows(self) -> list[int]:
+        """Rows that asked for logprobs."""
+        return np.nonzero(self.num_logprobs >= 0)[0].tolist()
 
 
 @dataclass
@@ -154,6 +154,8 @@ class Sampler:
         processed = adjust_logits(x, batch)
         tokens = np.empty(batch.num_rows, np.int64)
         greedy = batch.temperature <= 0.0
+        if greedy.all():
+            return _output(x, processed.argmax(axis=1), batch)
         if greedy.any():
             tokens[greedy] = processed[greedy].argmax(axis=1)
         rand = np.nonzero(~greedy)[0]

@@ -133,7 +133,8 @@ class Engine:
         for i in np.nonzero(ib.num_tokens[step.sample_slots] - ib.num_prompt[step.sample_slots] == 1)[0].tolist():
             if seqs[i].first_token_time is None:
                 seqs[i].first_token_time = now
-        for i, entry in enumerate(sampled.logprobs):
+        for i in (step.sampling.logprob_rows() if step.sampling is not None else ()):
+            entry = sampled.logprobs[i]
             if entry is not None:
                 seq = seqs[i]
                 seq.logprobs = seq.logprobs if seq.logprobs is not None else []

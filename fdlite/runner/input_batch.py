@@ -171,11 +171,11 @@ class InputBatch:
 
     def prepare_inputs(self, rows: list[tuple[Sequence, int]]) -> StepInputs:
         """The flat inputs and sampling parameters of the scheduled rows (decodes first)."""
-        decodes = [r for r in rows if r[1] == 1]
-        if len(decodes) != len(rows):
-            rows = decodes + [r for r in rows if r[1] != 1]
-        slots = np.fromiter((s.slot for s, _ in rows), np.int64, len(rows))
         counts = np.fromiter((n for _, n in rows), np.int64, len(rows))
+        if (counts != 1).any():  # decodes first, each group in scheduler order
+            order = np.argsort(counts != 1, kind="stable")
+            rows, counts = [rows[i] for i in order.tolist()], counts[order]
+        slots = np.fromiter((s.slot for s, _ in rows), np.int64, len(rows))
         computed = self.num_computed[slots]
         samples = computed + counts == self.num_tokens[slots]  # caught up: the last position predicts
         flat = flat_batch(self.token_ids, slots, computed, counts, self.block_table, self.block_size, samples)

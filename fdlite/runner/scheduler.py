@@ -77,6 +77,9 @@ class Scheduler:
         batch = ScheduledBatch(rows=[])
         slot = self._prefill_slot()
         i = 0
+        if not self.partial_prefills and len(self.running) <= budget and self._schedule_decodes(batch):
+            i = len(self.running)
+            budget -= i
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
@@ -101,7 +104,7 @@ class Scheduler:
             i += 1
 
         # New sequences join only on a step that preempted nothing: blocks are short.
-        if batch.preempted:
+        if batch.preempted or not self.waiting or len(self.running) >= self.max_num_seqs or budget <= 0:
             return batch
         in_flight = self._blocks_in_flight(batch)
         passed_over = 0
@@ -136,6 +139,23 @@ class Scheduler:
                 in_flight.update(self._uncomputed_block_hashes(seq))
             budget -= n
         return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> bool:
+        """Fast path for the common step: every running sequence decodes one token.
+
+        Without partial prefills every running sequence has exactly one token to compute (its
+        last sampled one), so only those whose token opens a new block need the allocator. False,
+        with nothing changed, when the free blocks cannot cover them (the general loop preempts).
+        """
+        bs = self.block_size
+        need = [s for s in self.running if s.num_computed_tokens >= len(s.block_table) * bs]
+        if len(need) > self.allocator.num_free_blocks:
+            return False
+        for seq in need:
+            self.allocator.grow(seq.block_table, seq.num_computed_tokens + 1)
+        batch.grown.extend(need)
+        batch.rows.extend((seq, 1) for seq in self.running)
+        return True
 
     # ---- chunked prefill limits ------------------------------------------------------------
 
