@@ -13,7 +13,7 @@ import numpy as np
 from fdlite.config import EngineConfig
 from fdlite.default_model import default_model_path
 from fdlite.distributed.lockstep import check_same_requests, requests_digest
-from fdlite.graph.phases import PhaseRecorder
+from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import check_graph_opt_level
 from fdlite.models.model_config import ModelConfig
 from fdlite.ops.random import sequence_seed

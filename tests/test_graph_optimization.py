@@ -13,7 +13,7 @@ import pytest
 import fdlite.graph.cudagraph_runner as cudagraph_runner
 import fdlite.runner.model_runner as model_runner
 from fdlite import LLM, SamplingParams
-from fdlite.graph.cuda import DeviceMemory
+from fdlite.kvcache.device_memory import DeviceMemory
 from fdlite.graph.static_graph import translation_count
 from hf_models import load_reference, reference_greedy
 

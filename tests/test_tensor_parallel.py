@@ -28,7 +28,7 @@ from fdlite.models.model_config import ModelConfig
 from fdlite.models.registry import model_class
 from fdlite.models.tp_partition import TPPartition
 from fdlite.ops.allreduce.capture import capture_custom_allreduce
-from fdlite.ops.allreduce.communicator import Communicator, get_communicator, set_communicator
+from fdlite.distributed.communicator import Communicator, get_communicator, set_communicator
 from hf_models import write_random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,7 +21,7 @@ import json
 import numpy as np
 import paddle
 
-from fdlite.ops.allreduce.communicator import Communicator
+from fdlite.distributed.communicator import Communicator
 from fdlite.ops.sampler import SamplerOutput
 from fdlite.runner.sequence import Sequence
 from fdlite.sampling_params import SamplingParams

@@ -28,7 +28,6 @@ from fdlite.runner.model_runner import ModelRunner
 from fdlite.runner.output_processor import OutputProcessor
 from fdlite.runner.scheduler import Scheduler
 from fdlite.runner.sequence import Sequence
-from fdlite.runner.stop_checker import check_stop
 
 
 class Engine:
@@ -96,11 +95,7 @@ class Engine:
         sampled = self.runner.execute(step)
         self.num_steps += 1
         ib.advance(step)
-        bs = self.config.block_size
-        for seq, n in batch.rows:
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens // bs > seq.num_hashed_blocks:
-                self.allocator.cache_full_blocks(seq)
+        self.scheduler.update_after_step(batch.rows)
         if sampled is None:
             return [], step.flat.num_tokens
         return self._take_tokens(step, sampled), step.flat.num_tokens
@@ -126,29 +121,11 @@ class Engine:
                                f"[0, {self.vocab_size}); the logits or the sampling op are broken")
         ib = self.input_batch
         ib.append_tokens(step.sample_slots, tokens)
-        seqs = step.sample_seqs
+        candidates = ib.stop_candidates(step.sample_slots, tokens, self.config.max_model_len)
         now = time.perf_counter()
-        for seq, token in zip(seqs, sampled.token_ids):
-            seq.output_token_ids.append(token)
-        for i in np.nonzero(ib.num_tokens[step.sample_slots] - ib.num_prompt[step.sample_slots] == 1)[0].tolist():
-            if seqs[i].first_token_time is None:
-                seqs[i].first_token_time = now
-        for i in (step.sampling.logprob_rows() if step.sampling is not None else ()):
-            entry = sampled.logprobs[i]
-            if entry is not None:
-                seq = seqs[i]
-                seq.logprobs = seq.logprobs if seq.logprobs is not None else []
-                seq.logprobs.append(self.outputs.decode_logprobs(entry))
-                if sampled.sampled_logprobs[i] is not None:
-                    seq.cumulative_logprob += sampled.sampled_logprobs[i]
-        finished = []
-        for i in ib.stop_candidates(step.sample_slots, tokens, self.config.max_model_len).tolist():
-            seq, token = seqs[i], sampled.token_ids[i]
-            stop_str = self.outputs.on_token(seq, token) if seq.detokenizer is not None else None
-            stop = check_stop(seq, token, stop_str, self.eos_token_ids, self.config.max_model_len)
-            if stop is not None:
-                seq.finish_time = now
-                ib.remove(seq)
-                self.scheduler.finish(seq, *stop)
-                finished.append(seq)
+        finished = self.scheduler.update_from_output(step.sample_seqs, sampled.token_ids, candidates.tolist(),
+                                                     self.outputs, self.eos_token_ids, now)
+        self.outputs.record(step.sample_seqs, sampled, step.sampling, now)
+        for seq in finished:
+            ib.remove(seq)
         return finished

@@ -28,13 +28,13 @@ from fdlite.ops.forward_meta import FlatBatch
 from fdlite.ops.sampler import Sampler, SamplerOutput
 from fdlite.graph.backend import GraphOptBackend
 from fdlite.graph.capture_sizes import decode_capture_sizes, prefill_capture_sizes
-from fdlite.graph.cuda import device_memory, reset_peak_memory
+from fdlite.kvcache.device_memory import device_memory, reset_peak_memory
 from fdlite.graph.cudagraph_runner import CudaGraphRunner, cudagraph_factory
-from fdlite.graph.phases import PhaseRecorder
+from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import translation_count
 from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for
 from fdlite.ops.allreduce import capture_custom_allreduce
-from fdlite.ops.allreduce.communicator import Communicator, set_communicator
+from fdlite.distributed.communicator import Communicator, set_communicator
 from fdlite.runner.dummy_batch import dummy_batch, even_split
 from fdlite.runner.forward_buffers import ForwardBuffers
 from fdlite.runner.input_batch import StepInputs

@@ -50,6 +50,21 @@ class OutputProcessor:
             return detok.text
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
+    def record(self, seqs: list[Sequence], sampled, sampling, now: float) -> None:
+        """First-token times, and the logprobs of the rows that asked (with their token strings)."""
+        for seq in seqs:
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+        for i in (sampling.logprob_rows() if sampling is not None else ()):
+            entry = sampled.logprobs[i]
+            if entry is None:
+                continue
+            seq = seqs[i]
+            seq.logprobs = seq.logprobs if seq.logprobs is not None else []
+            seq.logprobs.append(self.decode_logprobs(entry))
+            if sampled.sampled_logprobs[i] is not None:
+                seq.cumulative_logprob += sampled.sampled_logprobs[i]
+
     def decode_logprobs(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         """Fill each entry's `decoded_token` (one tokenizer call per distinct token id, ever)."""
         if self.tokenizer is None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from fdlite.config import EngineConfig
 from fdlite.kvcache.block_allocator import BlockAllocator
 from fdlite.runner.sequence import Sequence, SequenceStatus
+from fdlite.runner.stop_checker import check_stop
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: EngineConfig, allocator: BlockAllocator):
         self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self.max_num_partial_prefills = config.max_num_partial_prefills
@@ -228,6 +230,34 @@ class Scheduler:
         self.num_preemptions += 1
         self.partial_prefills.pop(seq, None)
         self.waiting.appendleft(seq)
+
+    # ---- after a step ------------------------------------------------------------------------
+
+    def update_after_step(self, rows: list[tuple[Sequence, int]]) -> None:
+        """The rows' tokens are in the cache now; offer blocks that became full to the prefix cache
+        (before any finished sequence lets go of them)."""
+        bs = self.block_size
+        for seq, n in rows:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens // bs > seq.num_hashed_blocks:
+                self.allocator.cache_full_blocks(seq)
+
+    def update_from_output(self, seqs: list[Sequence], tokens: list[int], candidates: list[int], outputs,
+                           eos_token_ids: set[int], now: float) -> list[Sequence]:
+        """Append each row's sampled token; finish the rows that stop (`candidates`: the only rows
+        that may, found on token ids by the persistent batch). Returns the finished sequences."""
+        for seq, token in zip(seqs, tokens):
+            seq.output_token_ids.append(token)
+        finished = []
+        for i in candidates:
+            seq, token = seqs[i], tokens[i]
+            stop_str = outputs.on_token(seq, token) if seq.detokenizer is not None else None
+            stop = check_stop(seq, token, stop_str, eos_token_ids, self.max_model_len)
+            if stop is not None:
+                seq.finish_time = now
+                self.finish(seq, *stop)
+                finished.append(seq)
+        return finished
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished sequence, running or waiting."""
