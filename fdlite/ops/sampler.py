@@ -24,6 +24,8 @@ same contract.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +38,7 @@ from fdlite.sampling_params import SamplingParams
 _NEG_INF = float("-inf")
 _CHUNK = 1024  # inverse CDF: sums per chunk first, then a cumsum inside one chunk
 _MAX_ROUNDS = 64
+_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass
@@ -144,6 +147,9 @@ def make_generator(seed: int | None, child_index: int, fallback: np.random.Gener
 class Sampler:
     """Picks the next token of every row of a batch of logits `[rows, vocab]`."""
 
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
     @paddle.no_grad()
     def __call__(self, logits: paddle.Tensor, batch: SamplingBatch | list[SamplingRow],
                  eos_token_ids: set[int] | None = None) -> SamplerOutput:
@@ -160,8 +166,20 @@ class Sampler:
             tokens[greedy] = processed[greedy].argmax(axis=1)
         rand = np.nonzero(~greedy)[0]
         if len(rand):
-            tokens[rand] = _draw(processed[rand], _take(batch, rand))
+            tokens[rand] = self._draw_rows(processed, rand, batch)
         return _output(x, tokens, batch)
+
+    def _draw_rows(self, processed: np.ndarray, rand: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+        """`_draw` over row chunks in threads (numpy releases the GIL; rows are independent, so the
+        result does not depend on the split)."""
+        chunks = np.array_split(rand, max(1, min(_THREADS, len(rand) // 8)))
+        if len(chunks) == 1:
+            sub = processed if len(rand) == len(processed) else processed[rand]
+            return _draw(sub, _take(batch, rand))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="fdlite-sampler")
+        parts = self._pool.map(lambda rows: _draw(processed[rows], _take(batch, rows)), chunks)
+        return np.concatenate(list(parts))
 
     @paddle.no_grad()
     def probs(self, logits: paddle.Tensor, batch: SamplingBatch | list[SamplingRow],
@@ -232,8 +250,8 @@ def filtered_weights(x: np.ndarray, batch: SamplingBatch) -> tuple[np.ndarray, n
     the top-k distribution (vLLM's order), and min-p only removes tokens less likely than any a
     nucleus test can depend on, so applying min-p first changes nothing but the total.
     """
-    w = x / batch.temperature[:, None]
-    w -= w.max(axis=1, keepdims=True)
+    w = x - x.max(axis=1, keepdims=True)
+    w *= (1.0 / batch.temperature)[:, None]
     np.exp(w, out=w)
     vocab = w.shape[1]
     for i in np.nonzero((batch.top_k > 0) & (batch.top_k < vocab))[0]:
@@ -250,22 +268,28 @@ def _draw(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     """Step (e): one token per row from the filtered distribution, top-p by rejection."""
     w, nucleus_mass = filtered_weights(x, batch)
     threshold = batch.top_p.astype(np.float64) * nucleus_mass
-    rows = np.arange(len(w))
-    tokens = np.empty(len(w), np.int64)
+    n = len(w)
+    tokens = np.empty(n, np.int64)
+    active = np.arange(n)
     for round_ in range(_MAX_ROUNDS):
-        picked = _inverse_cdf(w[rows], uniforms(batch.seeds[rows], batch.positions[rows], round_))
-        tokens[rows] = picked
-        sub = w[rows]
-        w_pick = sub[np.arange(len(rows)), picked]
-        mass_above = np.where(sub > w_pick[:, None], sub, 0.0).sum(axis=1, dtype=np.float64)
-        rejected = (batch.top_p[rows] < 1.0) & (mass_above >= threshold[rows])
+        sub = w if len(active) == n else w[active]  # a copy only for the few rows drawing again
+        picked = _inverse_cdf(sub, uniforms(batch.seeds[active], batch.positions[active], round_))
+        tokens[active] = picked
+        nucleus = np.nonzero(batch.top_p[active] < 1.0)[0]
+        if not len(nucleus):
+            return tokens
+        sp = sub if len(nucleus) == len(sub) else sub[nucleus]
+        above = sp > sp[np.arange(len(nucleus)), picked[nucleus]][:, None]
+        mass_above = np.where(above, sp, 0.0).sum(axis=1)
+        rejected = mass_above >= threshold[active[nucleus]]
         if not rejected.any():
             return tokens
-        rows = rows[rejected]
-        w[rows] = np.where(w[rows] <= w_pick[rejected, None], 0.0, w[rows])
-    # Not reached in practice (each round drops at least the drawn token and all below it); the
-    # most likely token is in every nucleus.
-    tokens[rows] = w[rows].argmax(axis=1)
+        # Draw again among the tokens strictly more likely than the rejected one.
+        active = active[nucleus[rejected]]
+        w[active] = np.where(above[rejected], sp[rejected], 0.0)
+    # Not reached in practice (each round drops the drawn token and all below it); the most likely
+    # token is in every nucleus.
+    tokens[active] = w[active].argmax(axis=1)
     return tokens
 
 
@@ -277,7 +301,7 @@ def _inverse_cdf(w: np.ndarray, u: np.ndarray) -> np.ndarray:
     """
     n, vocab = w.shape
     starts = np.arange(0, vocab, _CHUNK)
-    cum = np.cumsum(np.add.reduceat(w, starts, axis=1, dtype=np.float64), axis=1)
+    cum = np.cumsum(np.add.reduceat(w, starts, axis=1), axis=1, dtype=np.float64)
     total = cum[:, -1]
     target = u * total
     chunk = np.minimum((cum <= target[:, None]).sum(axis=1), len(starts) - 1)
