@@ -108,6 +108,10 @@ class EngineConfig:
         True, "Split a prompt longer than the step's remaining token budget across steps, so decodes keep running. "
         "On by default, as in vLLM (FastDeploy: off); outputs are the same either way."
     )
+    async_scheduling: bool = _opt(
+        False, "Overlap the host work of the next step (scheduling, inputs) with the model's forward of this one "
+        "(vLLM's name). Sequences that finish in a step still take part in the next; outputs are the same either way."
+    )
     max_num_partial_prefills: int = _opt(
         1, "With chunked prefill: most prompts whose prefill spans steps at once; above 1, each prefill's chunk "
         "is capped at the budget split among them."
@@ -143,7 +147,7 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from fdlite.ops.sampler import SamplerOutput
 from fdlite.runner.input_batch import InputBatch, StepInputs
 from fdlite.runner.model_runner import ModelRunner
 from fdlite.runner.output_processor import OutputProcessor
-from fdlite.runner.scheduler import Scheduler
+from fdlite.runner.scheduler import ScheduledBatch, Scheduler
 from fdlite.runner.sequence import Sequence
 
 
@@ -41,6 +42,8 @@ class Engine:
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size, self.vocab_size,
                                       eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)
+        self._pending = None  # async scheduling: the step in flight (batch, inputs, future)
+        self._executor: ThreadPoolExecutor | None = None
         self.num_steps = 0
         self.num_prefill_tokens = 0  # tokens computed for prompts (and recomputed after preemption)
         self.num_decode_tokens = 0
@@ -70,6 +73,7 @@ class Engine:
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Drop unfinished sequences (the caller stopped iterating): free their blocks and slots."""
+        self.drain()
         for seq in seqs:
             if seq.is_finished:
                 continue
@@ -79,9 +83,21 @@ class Engine:
 
     def step(self) -> tuple[list[Sequence], int]:
         """Run one step; return (sequences finished in it, tokens computed in it)."""
+        if self.config.async_scheduling:
+            return self._step_async()
+        batch, step = self._schedule()
+        if batch is None:
+            raise RuntimeError("scheduler made no progress: a sequence cannot fit the KV cache")
+        sampled = self.runner.execute(step)
+        self._computed(batch, step)
+        finished = self._take_tokens(step, sampled) if sampled is not None else []
+        return finished, step.flat.num_tokens
+
+    def _schedule(self) -> tuple[ScheduledBatch | None, StepInputs | None]:
+        """Schedule a step and bring the persistent batch up to date with it; (None, None) if nothing runs."""
         batch = self.scheduler.schedule()
         if not batch.rows:
-            raise RuntimeError("scheduler made no progress: a sequence cannot fit the KV cache")
+            return None, None
         ib = self.input_batch
         for seq in batch.preempted:
             if seq.slot is not None:
@@ -90,15 +106,66 @@ class Engine:
             ib.sync_blocks(seq)
         for seq in batch.joined:
             ib.add(seq)
-        step = ib.prepare_inputs(batch.rows)
+        return batch, ib.prepare_inputs(batch.rows)
+
+    def _computed(self, batch: ScheduledBatch, step: StepInputs) -> None:
+        """The step's tokens are in the KV cache (or will be, before any later step reads them)."""
         self._count_tokens(step)
-        sampled = self.runner.execute(step)
         self.num_steps += 1
-        ib.advance(step)
+        self.input_batch.advance(step)
         self.scheduler.update_after_step(batch.rows)
-        if sampled is None:
-            return [], step.flat.num_tokens
-        return self._take_tokens(step, sampled), step.flat.num_tokens
+
+    # ---- async scheduling -------------------------------------------------------------------
+
+    def _step_async(self) -> tuple[list[Sequence], int]:
+        """Schedule and prepare step N+1 while step N runs (vLLM's async scheduling).
+
+        Step N+1 is scheduled as if every row of N that samples got its token (a placeholder), so
+        it also holds the rows that turn out to finish in N: they are dropped from it (its inputs
+        rebuilt) before it is launched. The placeholders' values are patched into N+1's inputs when
+        N's tokens come. Forwards stay in order: N+1 is launched only after N is done.
+        """
+        if self._pending is None:
+            batch, step = self._schedule()
+            if batch is None:
+                raise RuntimeError("scheduler made no progress: a sequence cannot fit the KV cache")
+            self._pending = (batch, step, self._launch(step))
+        batch, step, future = self._pending
+        self._pending = None
+        self._computed(batch, step)
+        self.scheduler.reserve_tokens(step.sample_seqs)
+        self.input_batch.reserve_tokens(step.sample_slots)
+        next_batch, next_step = self._schedule() if self.scheduler.has_unfinished() else (None, None)
+        sampled = future.result()
+        finished = self._take_tokens(step, sampled, reserved=True) if sampled is not None else []
+        if next_batch is not None:
+            next_step = self._reconcile(next_batch, next_step, finished)
+            if next_step is not None:
+                self._pending = (next_batch, next_step, self._launch(next_step))
+        return finished, step.flat.num_tokens
+
+    def _launch(self, step: StepInputs):
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="fdlite-step")
+        return self._executor.submit(self.runner.execute, step)
+
+    def _reconcile(self, batch: ScheduledBatch, step: StepInputs, finished: list[Sequence]) -> StepInputs | None:
+        """Step N+1's inputs once step N's tokens are known: without the rows that finished, with
+        the real tokens where placeholders were."""
+        if finished:
+            gone = set(map(id, finished))
+            batch.rows = [(s, n) for s, n in batch.rows if id(s) not in gone]
+            if not batch.rows:
+                return None
+            return self.input_batch.prepare_inputs(batch.rows)
+        return self.input_batch.refresh_tokens(step)
+
+    def drain(self) -> None:
+        """Wait for a step still running (async scheduling) and forget it."""
+        if self._pending is not None:
+            _, _, future = self._pending
+            self._pending = None
+            future.result()
 
     def _count_tokens(self, step: StepInputs) -> None:
         ib = self.input_batch
@@ -112,7 +179,7 @@ class Engine:
         self.num_decode_tokens += n_decode
         self.num_prefill_tokens += step.flat.num_tokens - n_decode
 
-    def _take_tokens(self, step: StepInputs, sampled: SamplerOutput) -> list[Sequence]:
+    def _take_tokens(self, step: StepInputs, sampled: SamplerOutput, reserved: bool = False) -> list[Sequence]:
         """Append the sampled tokens, fill logprobs, and finish the sequences that stop."""
         tokens = np.asarray(sampled.token_ids, np.int64)
         if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
@@ -120,12 +187,21 @@ class Engine:
             raise RuntimeError(f"step {self.num_steps}: the sampler returned token id {bad}, outside the vocabulary "
                                f"[0, {self.vocab_size}); the logits or the sampling op are broken")
         ib = self.input_batch
-        ib.append_tokens(step.sample_slots, tokens)
-        candidates = ib.stop_candidates(step.sample_slots, tokens, self.config.max_model_len)
+        if reserved:  # only rows that still hold their slot (not preempted by the step scheduled ahead)
+            held = np.fromiter((s.slot is not None for s in step.sample_seqs), bool, len(tokens))
+            ib.write_tokens(step.sample_slots[held], tokens[held])
+            # A row whose slot went to another sequence meanwhile is checked in full.
+            kept = np.nonzero(held)[0]
+            candidates = np.union1d(kept[ib.stop_candidates(step.sample_slots[kept], tokens[kept],
+                                                            self.config.max_model_len)], np.nonzero(~held)[0])
+        else:
+            ib.append_tokens(step.sample_slots, tokens)
+            candidates = ib.stop_candidates(step.sample_slots, tokens, self.config.max_model_len)
         now = time.perf_counter()
         finished = self.scheduler.update_from_output(step.sample_seqs, sampled.token_ids, candidates.tolist(),
-                                                     self.outputs, self.eos_token_ids, now)
+                                                     self.outputs, self.eos_token_ids, now, reserved)
         self.outputs.record(step.sample_seqs, sampled, step.sampling, now)
         for seq in finished:
-            ib.remove(seq)
+            if seq.slot is not None:
+                ib.remove(seq)
         return finished

@@ -185,6 +185,15 @@ class InputBatch:
         sampling = self.sampling_batch(sample_slots) if len(idx) else None
         return StepInputs(flat, slots, counts, sample_seqs, sample_slots, sampling)
 
+    def refresh_tokens(self, step: StepInputs) -> StepInputs:
+        """Re-read a prepared step's input tokens and sampling parameters from the slots: async
+        scheduling prepares a step before the previous one's tokens are written."""
+        flat = step.flat
+        flat.input_ids = self.token_ids[step.slots[flat.token_rows], flat.positions].astype(np.int64)
+        if step.sampling is not None:
+            step.sampling = self.sampling_batch(step.sample_slots)
+        return step
+
     def sampling_batch(self, slots: np.ndarray) -> SamplingBatch:
         """Sampling parameters of `slots`, gathered from the per-slot arrays."""
         batch = SamplingBatch(
@@ -216,8 +225,16 @@ class InputBatch:
 
     def append_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Write each slot's sampled token at its next position (and count it for penalties)."""
-        self.token_ids[slots, self.num_tokens[slots]] = tokens
+        self.reserve_tokens(slots)
+        self.write_tokens(slots, tokens)
+
+    def reserve_tokens(self, slots: np.ndarray) -> None:
+        """Each slot gets one more token whose value comes later (async scheduling)."""
         self.num_tokens[slots] += 1
+
+    def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """The values of the slots' reserved last tokens (and their penalty counts)."""
+        self.token_ids[slots, self.num_tokens[slots] - 1] = tokens
         if self.output_counts is not None:
             pen = self.has_penalties[slots]
             if pen.any():

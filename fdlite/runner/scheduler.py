@@ -36,6 +36,9 @@ from fdlite.runner.sequence import Sequence, SequenceStatus
 from fdlite.runner.stop_checker import check_stop
 
 
+PLACEHOLDER_TOKEN = -1  # a reserved output token whose value the running step will give
+
+
 @dataclass
 class ScheduledBatch:
     """What changed this step (vLLM's `SchedulerOutput`): the rows to run and the diff the persistent
@@ -242,12 +245,23 @@ class Scheduler:
             if seq.num_computed_tokens // bs > seq.num_hashed_blocks:
                 self.allocator.cache_full_blocks(seq)
 
+    def reserve_tokens(self, seqs: list[Sequence]) -> None:
+        """Async scheduling: each of `seqs` gets a placeholder last token, so the next step can be
+        scheduled before this one's tokens are known (`update_from_output(reserved=True)` fills them)."""
+        for seq in seqs:
+            seq.output_token_ids.append(PLACEHOLDER_TOKEN)
+
     def update_from_output(self, seqs: list[Sequence], tokens: list[int], candidates: list[int], outputs,
-                           eos_token_ids: set[int], now: float) -> list[Sequence]:
-        """Append each row's sampled token; finish the rows that stop (`candidates`: the only rows
-        that may, found on token ids by the persistent batch). Returns the finished sequences."""
-        for seq, token in zip(seqs, tokens):
-            seq.output_token_ids.append(token)
+                           eos_token_ids: set[int], now: float, reserved: bool = False) -> list[Sequence]:
+        """Append each row's sampled token (or fill its reserved place); finish the rows that stop
+        (`candidates`: the only rows that may, found on token ids by the persistent batch).
+        Returns the finished sequences."""
+        if reserved:
+            for seq, token in zip(seqs, tokens):
+                seq.output_token_ids[-1] = token
+        else:
+            for seq, token in zip(seqs, tokens):
+                seq.output_token_ids.append(token)
         finished = []
         for i in candidates:
             seq, token = seqs[i], tokens[i]
@@ -268,9 +282,13 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark a running sequence finished and free its blocks (their full blocks stay cached)."""
+        was_running = seq.status is SequenceStatus.RUNNING
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.allocator.free(seq.block_table)
         self.partial_prefills.pop(seq, None)
-        self.running.remove(seq)
+        if was_running:
+            self.running.remove(seq)
+        else:  # preempted by a step scheduled ahead (async scheduling) before its last token came
+            self.waiting.remove(seq)
