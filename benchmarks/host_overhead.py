@@ -158,21 +158,21 @@ def _find(name: str) -> list[tuple[object, str]]:
 # ---- the measurement ------------------------------------------------------------------------------
 
 
-def write_model(path: str, vocab: int) -> str:
-    """A random Qwen2-shaped model (hidden 32, 1 layer) with the real Qwen3 tokenizer, in the HF layout."""
-    import gzip
-    import shutil
+def write_models(model_dir: str, vocabs: list[int]) -> None:
+    """Random Qwen2-shaped models (hidden 32, 1 layer) with the real Qwen3 tokenizer, HF layout, one per vocabulary.
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from hf_models import write_random_model
-
-    write_random_model(path, "qwen2", vocab_size=vocab, **TINY)
-    assets = os.path.join(ROOT, "fdlite", "assets", "qwen3_tokenizer")
-    with gzip.open(os.path.join(assets, "tokenizer.json.gz"), "rb") as src, \
-            open(os.path.join(path, "tokenizer.json"), "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    shutil.copyfile(os.path.join(assets, "tokenizer_config.json"), os.path.join(path, "tokenizer_config.json"))
-    return path
+    Written in a subprocess (transformers and torch), so the measuring processes import only fdlite and Paddle.
+    """
+    todo = [v for v in vocabs if not os.path.isfile(os.path.join(model_dir, f"vocab{v}", "config.json"))]
+    if not todo:
+        return
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from hf_models import add_qwen3_tokenizer, "
+            "write_random_model\n"
+            "for v in sys.argv[4:]:\n"
+            "    add_qwen3_tokenizer(write_random_model(os.path.join(sys.argv[2], 'vocab' + v), 'qwen2', "
+            "vocab_size=int(v), **eval(sys.argv[3])))")
+    subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "tests"), model_dir, repr(TINY), *map(str, todo)],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -341,10 +341,7 @@ def main() -> None:
     sys.path.insert(0, args.source)
 
     model_dir = args.model_dir or tempfile.mkdtemp(prefix="fdlite-host-overhead-")
-    for vocab in sorted({c.vocab for c in cases_from(args)}):
-        path = os.path.join(model_dir, f"vocab{vocab}")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            write_model(path, vocab)
+    write_models(model_dir, sorted({c.vocab for c in cases_from(args)}))
 
     current = run_here(args, model_dir)
     out = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",

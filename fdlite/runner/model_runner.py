@@ -78,11 +78,6 @@ class ModelRunner:
         self.model_config = model_config
         self.device = select_device()
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
-        if config.max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings})"
-            )
         tp_size = config.tensor_parallel_size
         TPPartition.of(model_config, 0, tp_size)  # a model that cannot be split fails before any process waits
         self.parallel = init_tensor_parallel(tp_size, self.device)
