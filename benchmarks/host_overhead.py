@@ -10,10 +10,11 @@ output processing runs as for a user): `max_num_seqs=256`, N prompts of 16 token
 
 with LONG=72, SHORT=8 for the greedy cases at vocabulary 500 (batch 1, 32, 256), and fewer tokens for
 the cases at Qwen3's 151,936-token vocabulary (greedy and `temperature=0.8, top_p=0.9`, batch 64), where
-the pre-redesign sampler takes seconds per step. The clean timing runs without instrumentation (best of
-`--repeats`); then one more pair of runs with cheap perf_counter timers around the phase functions gives
-the per-phase breakdown, differenced the same way. Phase times are exclusive (a timed phase called
-inside another is counted once, in its own row); "other" is what no timer covered (the `LLM` loop).
+the pre-redesign sampler takes seconds per step. Each repeat times a (short, long) pair; the best
+repeat counts. Cheap perf_counter timers around the phase functions (about a microsecond per call, a
+few calls per step) give its per-phase breakdown, differenced the same way. Phase times are exclusive
+(a timed phase called inside another is counted once, in its own row); "other" is what no timer
+covered (the `LLM` loop), so the row sums to the total.
 
 `--ref GIT_REF` also measures an older commit in the same sitting: `git archive` of the ref into a
 temporary folder, this same script run there in a subprocess with PYTHONPATH (and `--source`) pointing
@@ -76,8 +77,7 @@ class CaseResult:
     case: Case
     ms_per_step: float                 # best of the clean repeats
     runs_ms: list[float]               # every clean repeat
-    phases_ms: dict[str, float]        # per decode step, from the instrumented pair
-    instrumented_ms: float             # the instrumented pair's own ms per step
+    phases_ms: dict[str, float]        # per decode step, of the best repeat; they sum to its ms_per_step
     timed: dict[str, str] = field(default_factory=dict)  # phase -> the function timed
 
 
@@ -199,25 +199,25 @@ def measure(llm, case: Case, repeats: int) -> CaseResult:
     prompts = _prompts(case.batch, case.vocab)
     steps = case.long - case.short
     llm.generate(prompts, _params(case, 2), use_tqdm=False)  # warm-up: first calls of every path
-    runs = []
-    for _ in range(repeats):
-        t_short = _timed_generate(llm, prompts, _params(case, case.short))
-        t_long = _timed_generate(llm, prompts, _params(case, case.long))
-        runs.append((t_long - t_short) / steps * 1e3)
     timers = PhaseTimers()
     timed = timers.install(PHASES)
+    runs: list[tuple[float, dict[str, float]]] = []
     try:
-        t_short = _timed_generate(llm, prompts, _params(case, case.short))
-        before = timers.snapshot()
-        t_long = _timed_generate(llm, prompts, _params(case, case.long))
-        after = timers.snapshot()
+        for _ in range(repeats):
+            timers.totals.clear()
+            t_short = _timed_generate(llm, prompts, _params(case, case.short))
+            short = timers.snapshot()
+            t_long = _timed_generate(llm, prompts, _params(case, case.long))
+            long = {p: t - short.get(p, 0.0) for p, t in timers.snapshot().items()}
+            total = (t_long - t_short) / steps * 1e3
+            # The long run's phase time minus the short run's, per decode step.
+            phases = {p: (long.get(p, 0.0) - short.get(p, 0.0)) / steps * 1e3 for p in PHASES}
+            phases["other"] = total - sum(phases.values())
+            runs.append((total, phases))
     finally:
         timers.uninstall()
-    # The long run's phase totals minus the short run's, per decode step.
-    phases = {p: ((after.get(p, 0.0) - before.get(p, 0.0)) - before.get(p, 0.0)) / steps * 1e3 for p in PHASES}
-    total = (t_long - t_short) / steps * 1e3
-    phases["other"] = total - sum(phases.values())
-    return CaseResult(case, min(runs), runs, phases, total, timed)
+    best_total, best_phases = min(runs, key=lambda r: r[0])
+    return CaseResult(case, best_total, [r[0] for r in runs], best_phases, timed)
 
 
 def cases_from(args) -> list[Case]:
@@ -311,7 +311,7 @@ def ratio_table(current: dict, ref: dict, ref_name: str) -> str:
              "|---" * (2 + len(_COLS)) + "|"]
 
     def div(a: float, b: float) -> str:
-        return f"{a / b:.1f}x" if b > 1e-6 else "-"
+        return f"{a / b:.1f}x" if a >= 0.05 and b >= 0.05 else "-"  # below timer noise: no ratio
 
     for cur, old in zip(current["results"], ref["results"]):
         c = Case(**cur["case"])
