@@ -15,6 +15,7 @@ from fdlite.default_model import default_model_path
 from fdlite.distributed.lockstep import check_same_requests, requests_digest
 from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import check_graph_opt_level
+from fdlite.models.context_length import choose_max_model_len, fit_to_cache
 from fdlite.models.model_config import ModelConfig
 from fdlite.ops.random import sequence_seed
 from fdlite.outputs import CompletionOutput, RequestOutput
@@ -56,6 +57,8 @@ class LLM:
 
         with self.phases.phase("load_weights"):
             self.model_config = ModelConfig.from_dir(self.model_path)
+            length = choose_max_model_len(self.config.max_model_len, self.model_config)
+            self.config.resolve_max_model_len(length.tokens)
             self.tokenizer = None
             if not self.config.skip_tokenizer_init:
                 self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.model_path)
@@ -66,6 +69,7 @@ class LLM:
 
         with self.phases.phase("kv_cache"):
             num_blocks = self.runner.num_blocks_to_allocate(profile)
+            self.config.resolve_max_model_len(fit_to_cache(length, num_blocks, self.config.block_size))
             self.runner.allocate_kv_cache(num_blocks)
             self.num_blocks = num_blocks
             logger.info(

@@ -16,6 +16,23 @@ def even_split(num_tokens: int, num_seqs: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(num_seqs)]
 
 
+def small_prefill_lengths(max_num_seqs: int, max_model_len: int, block_size: int, max_tokens: int) -> list[int]:
+    """A few prompts of different lengths, the first crossing a KV-block boundary, within `max_tokens`.
+
+    What a forward must show without measuring memory (the CPU profiling run): a prefill of several
+    sequences at once through every kernel of a real step (varlen attention, block tables of more than
+    one block, the cache writes, the logits of each row), at a fraction of a full step's cost.
+    """
+    wanted = [block_size + 1, block_size // 2 + 1, 2][:max_num_seqs]
+    lengths = []
+    for n in wanted:
+        n = min(n, max_model_len, max_tokens - sum(lengths))
+        if n < 1:
+            break
+        lengths.append(n)
+    return lengths
+
+
 def dummy_batch(lengths: list[int], block_size: int, num_blocks: int, decode: bool = False) -> FlatBatch:
     """A flat batch of dummy sequences of the given lengths, block tables laid out from block 0.
 
