@@ -1,7 +1,9 @@
 """The step loop: schedule, run the model, sample, detokenize, check stops, free finished blocks.
 
 After each step the blocks that became full are offered to the prefix cache, before any finished
-sequence lets go of them. The engine also counts what it computed (`stats()`).
+sequence lets go of them. The engine also counts what it computed (`stats()`), and tells each of its
+`schedule_listeners` what every step computed (`ScheduledRow`s), so tests can assert the schedule
+itself (mixed prefill + decode steps, who joined when) rather than only its outcome.
 
 Debug: `FDLITE_DEBUG_POISON_FREED_BLOCKS=1` fills every block that no one may read (never
 written, freed, evicted) with NaN keys and huge values, and checks that every write goes to a
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from fdlite.config import EngineConfig
 from fdlite.kvcache.block_allocator import BlockAllocator
@@ -19,6 +23,21 @@ from fdlite.runner.model_runner import ModelRunner
 from fdlite.runner.scheduler import Scheduler
 from fdlite.runner.sequence import Sequence
 from fdlite.runner.stop_checker import check_stop
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One sequence's part of a step, as a schedule listener sees it."""
+
+    request_index: int
+    child_index: int
+    num_tokens: int  # tokens computed for it in this step
+    joined: bool  # it was waiting before this step: a new sequence, or one back after preemption
+    decode: bool  # one token after its last sampled one (else a prompt chunk or a recompute)
+
+
+def _is_decode(seq: Sequence, n: int) -> bool:
+    return n == 1 and bool(seq.output_token_ids) and seq.num_computed_tokens == seq.num_tokens - 1
 
 
 class Engine:
@@ -32,6 +51,8 @@ class Engine:
         self.num_steps = 0
         self.num_prefill_tokens = 0  # tokens computed for prompts (and recomputed after preemption)
         self.num_decode_tokens = 0
+        # Called after each step is scheduled with its rows, in batch order (for tests and tools).
+        self.schedule_listeners: list[Callable[[list[ScheduledRow]], None]] = []
         self.debug_poison = os.environ.get("FDLITE_DEBUG_POISON_FREED_BLOCKS", "0") not in ("", "0")
         if self.debug_poison:
             self.allocator.on_release = runner.kv_cache.poison_blocks
@@ -48,6 +69,7 @@ class Engine:
             "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
             "prefix_cache_evicted_blocks": cache.num_evictions if cache else 0,
             "num_preemptions": self.scheduler.num_preemptions,
+            **self.runner.forward_stats(),
         }
 
     def add(self, seq: Sequence) -> None:
@@ -58,11 +80,17 @@ class Engine:
 
     def step(self) -> tuple[list[Sequence], int]:
         """Run one step; return (sequences finished in it, tokens computed in it)."""
+        running_before = set(self.scheduler.running) if self.schedule_listeners else None
         batch = self.scheduler.schedule()
         if not batch.rows:
             raise RuntimeError("scheduler made no progress: a sequence cannot fit the KV cache")
+        if running_before is not None:
+            rows = [ScheduledRow(seq.request_index, seq.child_index, n, seq not in running_before, _is_decode(seq, n))
+                    for seq, n in batch.rows]
+            for listener in self.schedule_listeners:
+                listener(rows)
         for seq, n in batch.rows:
-            if n == 1 and seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1:
+            if _is_decode(seq, n):
                 self.num_decode_tokens += 1
             else:
                 self.num_prefill_tokens += n
