@@ -207,7 +207,11 @@ def test_make_generator():
     assert a.random() != b.random()  # unseeded: independent streams
     assert make_generator(5, 2, fallback).random() == make_generator(5, 2, np.random.default_rng(9)).random()
     assert make_generator(5, 0, fallback).random() != make_generator(5, 1, fallback).random()
-    make_generator(-1, 0, fallback).random()  # negative seeds are accepted
+    # Negative seeds are accepted and fold into uint64 range: -k is the seed 2**64 - k, not k.
+    for seed in (-1, -1234):
+        draws = make_generator(seed, 0, fallback).random(4)
+        assert (draws == make_generator(seed + 2**64, 0, fallback).random(4)).all()
+        assert (draws != make_generator(-seed, 0, fallback).random(4)).all()
 
 
 def _chi_square(counts, probs):
