@@ -14,7 +14,7 @@ from fdlite.config import EngineConfig
 from fdlite.default_model import default_model_path
 from fdlite.distributed.lockstep import check_same_requests, requests_digest
 from fdlite.phases import PhaseRecorder
-from fdlite.graph.static_graph import check_graph_opt_level
+from fdlite.graph.static_graph import check_graph_opt_level, translation_count
 from fdlite.models.context_length import choose_max_model_len, fit_to_cache
 from fdlite.models.model_config import ModelConfig
 from fdlite.ops.random import sequence_seed
@@ -53,7 +53,7 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         check_graph_opt_level(self.config.graph_optimization_config.graph_opt_level)
         self.model_path = model or default_model_path()
-        self.phases = PhaseRecorder()
+        self.phases = PhaseRecorder(probes={"sot_translations": translation_count})
 
         with self.phases.phase("load_weights"):
             self.model_config = ModelConfig.from_dir(self.model_path)
@@ -91,7 +91,8 @@ class LLM:
             total_block_num=num_blocks, kv_token_capacity=num_blocks * self.config.block_size,
             bytes_per_block=self.runner.bytes_per_block,
             cudagraph_sizes=sorted(self.runner.graph_runner.graphs) if self.runner.graph_runner else [],
-            sot_translations=sum(e.info.get("count", 0) for e in self.phases.events if e.name == "sot_translate"),
+            sot_translations=(self.phases.probe_at("end", "graph_optimization", "sot_translations")
+                              - self.phases.probe_at("begin", "load_weights", "sot_translations")),
             total_s=time.perf_counter() - t_start,
         )
         logger.info("ready in %.2f s", self.startup_report["total_s"])

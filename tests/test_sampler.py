@@ -209,9 +209,10 @@ def test_make_generator():
     assert a != b  # unseeded: independent streams
     assert make_generator(5, 2, fallback) == make_generator(5, 2, np.random.default_rng(9))
     assert make_generator(5, 0, fallback) != make_generator(5, 1, fallback)
-    # Negative seeds are their uint64 fold.
-    assert make_generator(-1, 0, fallback) == make_generator(2**64 - 1, 0, fallback)
-    assert make_generator(-1, 0, fallback) != make_generator(1, 0, fallback)
+    # Negative seeds are accepted and fold into uint64 range: -k is the seed 2**64 - k, not k.
+    for seed in (-1, -1234):
+        assert make_generator(seed, 0, fallback) == make_generator(seed + 2**64, 0, fallback)
+        assert make_generator(seed, 0, fallback) != make_generator(-seed, 0, fallback)
 
 
 def _chi_square(counts, probs):

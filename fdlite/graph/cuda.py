@@ -30,8 +30,11 @@ class CudaGraph:
         self._graph = CUDAGraph(pool_id=CudaGraph._pool_id)
         self.output = None
 
-    def capture(self, fn: Callable[[], paddle.Tensor]) -> paddle.Tensor:
-        """Record `fn`'s kernels; its output tensor is rewritten in place by every replay."""
+    def capture(self, fn: Callable[[], paddle.Tensor], static_inputs=None) -> paddle.Tensor:
+        """Record `fn`'s kernels; its output tensor is rewritten in place by every replay.
+
+        `static_inputs` (what the eager stand-in checks) is not needed here: the graph binds the
+        addresses `fn` reads by itself."""
         self._graph.capture_begin()
         try:
             self.output = fn()

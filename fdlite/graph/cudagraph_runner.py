@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -50,7 +51,7 @@ class CudaGraphRunner:
         self.buffers = buffers
         buffers.set_scratch_block(self.scratch_block)
         self.graphs: dict[int, object] = {}
-        self.num_replays = 0
+        self.replays_by_size: Counter[tuple[int, int]] = Counter()  # (graph size, batch tokens) -> replays
 
     # ---- capture -------------------------------------------------------------------------
 
@@ -124,7 +125,7 @@ class CudaGraphRunner:
             if recorder is not None and translated:
                 recorder.point("sot_translate", size=size, count=translated)
             graph = self.graph_factory()
-            graph.capture(lambda s=size: self._forward(s))
+            graph.capture(lambda s=size: self._forward(s), static_inputs=self.buffers.tensors)
             self.graphs[size] = graph
             if recorder is not None:
                 recorder.point("cudagraph_captured", size=size)
@@ -149,6 +150,15 @@ class CudaGraphRunner:
 
     # ---- replay --------------------------------------------------------------------------
 
+    @property
+    def num_replays(self) -> int:
+        return sum(self.replays_by_size.values())
+
+    @property
+    def num_padded_replays(self) -> int:
+        """Replays of a batch smaller than its graph (padded rows ran too)."""
+        return sum(n for (size, tokens), n in self.replays_by_size.items() if tokens < size)
+
     def size_for(self, batch: FlatBatch) -> int | None:
         """The captured size this batch runs in, or None to run it eagerly."""
         if not self.graphs:
@@ -162,7 +172,7 @@ class CudaGraphRunner:
     def run(self, batch: FlatBatch, size: int) -> paddle.Tensor:
         """Write the batch into the buffers, replay the graph of `size`, return hidden states [T, hidden]."""
         self._write(batch, size)
-        self.num_replays += 1
+        self.replays_by_size[size, batch.num_tokens] += 1
         return self.graphs[size].replay()[: batch.num_tokens]
 
 

@@ -6,7 +6,9 @@ flat inputs; the runner runs the forward and samples; the sampled ids are append
 for stops on token ids (`check_stop`, only for the rows that may stop); text is the output
 processor's business. After each step the blocks that became full are offered to the prefix
 cache, before any finished sequence lets go of them. The engine also counts what it computed
-(`stats()`).
+(`stats()`), and tells each of its
+`schedule_listeners` what every step computed (`ScheduledRow`s), so tests can assert the schedule
+itself (mixed prefill + decode steps, who joined when) rather than only its outcome.
 
 Debug: `FDLITE_DEBUG_POISON_FREED_BLOCKS=1` fills every block that no one may read (never
 written, freed, evicted) with NaN keys and huge values, and checks that every write goes to a
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +33,21 @@ from fdlite.runner.model_runner import ModelRunner
 from fdlite.runner.output_processor import OutputProcessor
 from fdlite.runner.scheduler import ScheduledBatch, Scheduler
 from fdlite.runner.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One sequence's part of a step, as a schedule listener sees it."""
+
+    request_index: int
+    child_index: int
+    num_tokens: int  # tokens computed for it in this step
+    joined: bool  # it was waiting before this step: a new sequence, or one back after preemption
+    decode: bool  # one token after its last sampled one (else a prompt chunk or a recompute)
+
+
+def _is_decode(seq: Sequence, n: int) -> bool:
+    return n == 1 and bool(seq.output_token_ids) and seq.num_computed_tokens == seq.num_tokens - 1
 
 
 class Engine:
@@ -47,6 +66,8 @@ class Engine:
         self.num_steps = 0
         self.num_prefill_tokens = 0  # tokens computed for prompts (and recomputed after preemption)
         self.num_decode_tokens = 0
+        # Called after each step is scheduled with its rows, in batch order (for tests and tools).
+        self.schedule_listeners: list[Callable[[list[ScheduledRow]], None]] = []
         self.debug_poison = os.environ.get("FDLITE_DEBUG_POISON_FREED_BLOCKS", "0") not in ("", "0")
         if self.debug_poison:
             self.allocator.on_release = runner.kv_cache.poison_blocks
@@ -63,6 +84,7 @@ class Engine:
             "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
             "prefix_cache_evicted_blocks": cache.num_evictions if cache else 0,
             "num_preemptions": self.scheduler.num_preemptions,
+            **self.runner.forward_stats(),
         }
 
     def add(self, seq: Sequence) -> None:
@@ -98,6 +120,12 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.rows:
             return None, None
+        if self.schedule_listeners:
+            joined = set(map(id, batch.joined))
+            rows = [ScheduledRow(seq.request_index, seq.child_index, n, id(seq) in joined, _is_decode(seq, n))
+                    for seq, n in batch.rows]
+            for listener in self.schedule_listeners:
+                listener(rows)
         ib = self.input_batch
         for seq in batch.preempted:
             if seq.slot is not None:

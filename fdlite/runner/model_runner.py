@@ -182,6 +182,16 @@ class ModelRunner:
 
     # ---- graph optimization ------------------------------------------------------------
 
+    def forward_stats(self) -> dict[str, int]:
+        """How forwards ran so far: calls into the SOT-translated function, CUDA-graph replays, and the
+        replays of a batch padded up to a larger captured size. (With the eager graph stand-in a replay
+        calls the layer again, so it counts as a SOT call too; a real CUDA graph does not.)"""
+        backend = self.model.model.__dict__.get("graph_opt_backend")
+        gr = self.graph_runner
+        return {"sot_calls": backend.num_calls if backend is not None else 0,
+                "cudagraph_replays": gr.num_replays if gr is not None else 0,
+                "cudagraph_padded_replays": gr.num_padded_replays if gr is not None else 0}
+
     def capture_sizes(self) -> list[int]:
         """The sizes that will get a CUDA graph ([] when graphs are off or cannot run here)."""
         g = self.config.graph_optimization_config
