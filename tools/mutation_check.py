@@ -71,7 +71,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("fdlite/runner/stop_checker.py",
               "    if n_out >= p.min_tokens:\n",
               "    if n_out >= p.min_tokens and p.min_tokens == 0:\n"),
-         Edit("fdlite/runner/engine.py",
+         Edit("fdlite/runner/output_processor.py",
               "check_stop=len(seq.output_token_ids) >= seq.params.min_tokens)",
               "check_stop=len(seq.output_token_ids) >= seq.params.min_tokens and seq.params.min_tokens == 0)")),
         ("tests/test_generate_api.py",),
@@ -114,17 +114,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "static-waves",
         "Static batching: waiting requests join only when no sequence is running",
         (Edit("fdlite/runner/scheduler.py",
-              "        if batch.preempted:\n            return batch\n",
-              "        if batch.preempted or batch.rows:  # MUTATION\n            return batch\n"),),
+              "        if batch.preempted or not self.waiting or len(self.running) >= self.max_num_seqs",
+              "        if batch.preempted or batch.rows or not self.waiting or len(self.running) >= self.max_num_seqs"),),
         ("tests/test_hf_parity.py::test_greedy_matches_transformers", "tests/test_scheduler.py"),
         "new",
     ),
     Mutation(
         "padding-writes-a-real-slot",
         "Padded rows of a CUDA-graph batch write their KV to slot 0 instead of the scratch block",
-        (Edit("fdlite/graph/cudagraph_runner.py",
-              "        slots = np.full(size, scratch_block * block_size, np.int64)\n",
-              "        slots = np.zeros(size, np.int64)  # MUTATION\n"),),
+        (Edit("fdlite/runner/forward_buffers.py",
+              "self.slot_mapping.write(np.full(extra, self.scratch_block * self.block_size, np.int64), t)",
+              "self.slot_mapping.write(np.zeros(extra, np.int64), t)  # MUTATION"),),
         (f"{GRAPH}::test_padded_decode_graphs_give_identical_tokens",
          f"{GRAPH}::test_graph_buffers_keep_their_addresses"),
         "new",
@@ -141,9 +141,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "negative-seed-abs",
         "A negative seed is folded to abs(seed) instead of seed mod 2**64 (so -k and k collide)",
-        (Edit("fdlite/ops/sampler.py",
-              "np.random.default_rng([seed % 2**64, child_index])",
-              "np.random.default_rng([abs(seed), child_index])"),),
+        (Edit("fdlite/ops/random.py",
+              "np.asarray([seed % 2**64], np.uint64)",
+              "np.asarray([abs(seed)], np.uint64)"),),
         ("tests/test_sampler.py::test_make_generator", "tests/test_seeded_sampling.py"),
         "new",
     ),
@@ -171,9 +171,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "top-p-drops-crossing-token",
         "top-p keeps only tokens whose cumulative mass stays below p, dropping the one that crosses it",
+        # Both places that apply top-p: the draw (a token is rejected when the mass strictly above it
+        # reaches p) and the reference distribution `probs` (mass strictly before each sorted token).
         (Edit("fdlite/ops/sampler.py",
-              "n_keep = (mass_before < p).astype(\"int64\")",
-              "n_keep = (cum < p).astype(\"int64\")"),),
+              "        rejected = mass_above >= threshold[active[nucleus]]\n",
+              "        rejected = mass_above + sp[np.arange(len(nucleus)), picked[nucleus]] >= threshold[active[nucleus]]\n"),
+         Edit("fdlite/ops/sampler.py",
+              "            keep_sorted = before < sub.top_p[:, None]",
+              "            keep_sorted = before + sorted_w < sub.top_p[:, None]")),
         ("tests/test_sampler.py",),
         "caught",
     ),
@@ -228,15 +233,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "buffer-write-makes-new-tensors",
         "Each step writes the graph inputs into new tensors instead of the captured buffers",
-        (Edit("fdlite/graph/cudagraph_runner.py",
-              "        for buf, host in ((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots),\n"
-              "                          (self.block_tables, tables), (self.seq_lens_kv, kv)):\n"
-              "            paddle.assign(paddle.to_tensor(host, place=buf.place), output=buf[:size])\n",
-              "        for name, host in ((\"input_ids\", ids), (\"positions\", pos), (\"slot_mapping\", slots),\n"
-              "                           (\"block_tables\", tables), (\"seq_lens_kv\", kv)):\n"
-              "            buf = getattr(self, name).clone()  # MUTATION\n"
-              "            paddle.assign(paddle.to_tensor(host, place=buf.place), output=buf[:size])\n"
-              "            setattr(self, name, buf)\n"),),
+        (Edit("fdlite/runner/forward_buffers.py",
+              "        if self.host is not None:\n            self.host[start : start + len(values)] = values\n",
+              "        if self.host is not None:\n"
+              "            self.tensor = self.tensor.clone()  # MUTATION: a new tensor per write\n"
+              "            self.host = np.from_dlpack(self.tensor)\n"
+              "            self.host[start : start + len(values)] = values\n"),),
         (f"{GRAPH}::test_graph_buffers_keep_their_addresses",
          f"{GRAPH}::test_decode_graphs_give_identical_tokens",
          f"{GRAPH}::test_padded_decode_graphs_give_identical_tokens"),
