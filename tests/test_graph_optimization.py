@@ -156,14 +156,15 @@ def test_padded_decode_graphs_give_identical_tokens(qwen3, monkeypatch):
 def test_a_replaced_static_buffer_is_caught_at_replay(graph_llm):
     """The eager stand-in binds its inputs at capture, as a real graph binds addresses: a buffer
     replaced by a new tensor (instead of written in place) fails the replay."""
-    buffers = graph_llm.runner.graph_runner.buffers
-    saved = buffers.input_ids
-    buffers.input_ids = saved.clone()
+    buf = graph_llm.runner.graph_runner.buffers.input_ids
+    saved = buf.tensor, buf.host
+    buf.tensor = saved[0].clone()
+    buf.host = np.from_dlpack(buf.tensor)
     try:
         with pytest.raises(RuntimeError, match=r"static graph inputs \['input_ids'\] are not the tensors captured"):
             graph_llm.generate(prompts(2), GREEDY, use_tqdm=False)
     finally:
-        buffers.input_ids = saved
+        buf.tensor, buf.host = saved
 
 
 def test_startup_order_sot_inside_capture_inside_allreduce_context(graph_llm):

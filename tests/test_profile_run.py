@@ -14,5 +14,8 @@ def test_small_prefill_lengths():
 
 def test_cpu_profile_run_is_small_and_runs(model_dirs):
     llm = LLM(model_dirs["qwen2"], max_num_seqs=64, max_model_len=512, block_size=16, skip_tokenizer_init=True)
-    assert llm.runner.profile_lengths() == [17, 9, 2]
+    assert llm.runner.profile_lengths(measured=False) == [17, 9, 2]
+    # Where memory is measured (GPU), the full step budget over max_num_seqs rows.
+    full = llm.runner.profile_lengths(measured=True)
+    assert len(full) == 64 and sum(full) == llm.config.max_num_batched_tokens and max(full) - min(full) <= 1
     assert llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids

@@ -104,11 +104,11 @@ class ModelRunner:
         different lengths (`small_prefill_lengths`): a full 1024-token prefill of Qwen3-0.6B took 44 s
         there. Either way the forward runs before the first request, so a shape problem shows at startup.
         """
-        lengths = self.profile_lengths()
-        tokens = sum(lengths)
-        temp_blocks = sum(blocks_for(n, self.config.block_size) for n in lengths)
         reset_peak_memory()
         before = device_memory()
+        lengths = self.profile_lengths(measured=before is not None)
+        tokens = sum(lengths)
+        temp_blocks = sum(blocks_for(n, self.config.block_size) for n in lengths)
         self.kv_cache = KVCache.allocate(temp_blocks, self.config.block_size, self.model_config.num_hidden_layers,
                                          self.tp.num_kv_heads, self.model_config.head_dim, self.dtype)
         temp_bytes = temp_blocks * self.bytes_per_block
@@ -122,12 +122,12 @@ class ModelRunner:
                              used_after=during.allocated, temporary_kv_bytes=temp_bytes,
                              profile_tokens=tokens)
 
-    def profile_lengths(self) -> list[int]:
-        """The profiling prefill's sequence lengths (see `profile_run`)."""
+    def profile_lengths(self, measured: bool) -> list[int]:
+        """The profiling prefill's sequence lengths (see `profile_run`); `measured`: device memory is measured."""
         c = self.config
         # A step never holds more than max_num_seqs sequences of max_model_len tokens, whatever the budget says.
         tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
-        if device_memory() is None:  # no memory to measure here
+        if not measured:
             return small_prefill_lengths(c.max_num_seqs, c.max_model_len, c.block_size, tokens)
         return even_split(tokens, c.max_num_seqs)
 
