@@ -9,8 +9,11 @@ from fdlite import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    # A small cache forces preemption among 12 concurrent sequences.
-    return LLM(max_num_seqs=12, max_model_len=256, block_size=16, num_gpu_blocks_override=24)
+    # A small cache forces preemption among 12 concurrent sequences. No prefix caching: the runs compared
+    # must compute the same floats (a cache hit skips a prefill, which changes logits in the last bits and
+    # can flip a sampled token), so any difference is the output processor's.
+    return LLM(max_num_seqs=12, max_model_len=256, block_size=16, num_gpu_blocks_override=24,
+               enable_prefix_caching=False)
 
 
 def _requests(llm, n=24):
