@@ -24,6 +24,9 @@ class _Buffer:
     def __init__(self, size: int, dtype: str, fill: int = 0):
         self.tensor = paddle.full([size], fill, dtype=dtype)
         self.host = np.from_dlpack(self.tensor) if self.tensor.place.is_cpu_place() else None
+        # Views by (length, shape): a slice costs ~10 us of Paddle dispatch, and a decode batch keeps its
+        # size for many steps. Views share the buffer's memory, so a cached one sees every later write.
+        self._views: dict[tuple, paddle.Tensor] = {}
 
     def write(self, values: np.ndarray, start: int = 0) -> None:
         if not len(values):
@@ -40,8 +43,14 @@ class _Buffer:
         return {paddle.int64: np.int64, paddle.int32: np.int32}[self.tensor.dtype]
 
     def view(self, n: int, shape: list[int] | None = None) -> paddle.Tensor:
-        v = self.tensor[:n]
-        return v.reshape(shape) if shape is not None else v
+        key = (n, tuple(shape) if shape is not None else None)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= 64:
+                self._views.clear()
+            v = self.tensor[:n]
+            v = self._views[key] = v.reshape(shape) if shape is not None else v
+        return v
 
 
 class ForwardBuffers:
