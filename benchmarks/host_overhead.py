@@ -28,6 +28,10 @@ at it, on the same model files; both tables are printed with the ratio ref / cur
 With `--async-scheduling` the forward runs in a worker thread while the next step is scheduled, so
 phase times (per thread) overlap and can add up to more than the step: "other" goes negative by
 the overlap. The "host" column is the step minus the forward.
+
+`--stub-forward` replaces the model's forward with fixed random logits (current tree only): the
+step then is the engine's host work alone, as a GPU would see it beside an asynchronous forward,
+without the CPU forward's effect on caches (which makes the same host code slower after it).
 """
 
 from __future__ import annotations
@@ -235,6 +239,20 @@ def measure(llm, case: Case, repeats: int) -> CaseResult:
     return CaseResult(case, best_total, [r[0] for r in runs], best_phases, timed)
 
 
+def stub_forward(llm) -> None:
+    """Replace the model's forward with fixed random logits for the rows that sample: what is left is
+    the engine's host work alone, without the CPU forward's effect on caches and the allocator."""
+    import paddle
+
+    logits = paddle.randn([llm.config.max_num_seqs, llm.model_config.vocab_size])
+
+    def forward(flat, use_graphs=True):
+        n = len(flat.logits_indices)
+        return logits[:n] if n else None
+
+    llm.runner.forward = forward
+
+
 def cases_from(args) -> list[Case]:
     cases = [Case(args.vocab, b, "greedy", *args.tokens) for b in args.batches]
     for mode in args.large_vocab_modes:
@@ -257,6 +275,8 @@ def run_here(args, model_dir: str) -> dict:
             path = os.path.join(model_dir, f"vocab{case.vocab}")
             extra = {"async_scheduling": True} if args.async_scheduling else {}
             llms[case.vocab] = LLM(path, max_num_seqs=args.max_num_seqs, max_model_len=128, seed=0, **extra)
+            if args.stub_forward:
+                stub_forward(llms[case.vocab])
         r = measure(llms[case.vocab], case, args.repeats)
         print(f"  {case.label}: {r.ms_per_step:.2f} ms per decode step", file=sys.stderr, flush=True)
         results.append(asdict(r))
@@ -354,6 +374,8 @@ def main() -> None:
     ap.add_argument("--source", default=ROOT, help="the fdlite source tree to measure (default: this checkout)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="run the current tree with async_scheduling=True (the ref runs without it)")
+    ap.add_argument("--stub-forward", action="store_true",
+                    help="replace the forward by fixed logits (current tree only): the host work alone")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --ref run: JSON only
     args = ap.parse_args()
     args.source = os.path.abspath(args.source)

@@ -12,5 +12,6 @@ class RMSNorm(nn.Layer):
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         h = x.astype("float32")
-        h = h * paddle.rsqrt(h.pow(2).mean(axis=-1, keepdim=True) + self.eps)
+        # square, not pow(2): Paddle's CPU pow kernel is ~30x slower at decode sizes (150 vs 5 us for [256, 32]).
+        h = h * paddle.rsqrt(paddle.square(h).mean(axis=-1, keepdim=True) + self.eps)
         return self.weight * h.astype(x.dtype)

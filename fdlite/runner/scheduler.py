@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from fdlite.config import EngineConfig
 from fdlite.kvcache.block_allocator import BlockAllocator
@@ -159,7 +160,7 @@ class Scheduler:
         for seq in need:
             self.allocator.grow(seq.block_table, seq.num_computed_tokens + 1)
         batch.grown.extend(need)
-        batch.rows.extend((seq, 1) for seq in self.running)
+        batch.rows.extend(zip(self.running, repeat(1)))  # C speed: this runs every step for every row
         return True
 
     # ---- chunked prefill limits ------------------------------------------------------------
@@ -240,9 +241,10 @@ class Scheduler:
         """The rows' tokens are in the cache now; offer blocks that became full to the prefix cache
         (before any finished sequence lets go of them)."""
         bs = self.block_size
+        caching = self.allocator.prefix_cache is not None
         for seq, n in rows:
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens // bs > seq.num_hashed_blocks:
+            c = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if caching and c // bs > seq.num_hashed_blocks:
                 self.allocator.cache_full_blocks(seq)
 
     def reserve_tokens(self, seqs: list[Sequence]) -> None:
