@@ -243,7 +243,8 @@ def apply_penalties(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
 
 def filtered_weights(x: np.ndarray, batch: SamplingBatch) -> tuple[np.ndarray, np.ndarray]:
     """Unnormalised probabilities after temperature, top-k and min-p: exp((x - max) / T), the top token 1;
-    and each row's total weight after top-k, which top-p's nucleus is measured against.
+    and each row's total weight after top-k, which top-p's nucleus is measured against (inf for rows
+    without top-p).
 
     top-k keeps tokens whose logit is >= the k-th largest (ties at the boundary all survive);
     min-p drops tokens with prob < min_p * max prob, which is `weight < min_p` here. Top-p looks at
@@ -257,7 +258,12 @@ def filtered_weights(x: np.ndarray, batch: SamplingBatch) -> tuple[np.ndarray, n
     for i in np.nonzero((batch.top_k > 0) & (batch.top_k < vocab))[0]:
         kth = np.partition(w[i], vocab - batch.top_k[i])[vocab - batch.top_k[i]]
         w[i][w[i] < kth] = 0.0
-    nucleus_mass = w.sum(axis=1, dtype=np.float64) if (batch.top_p < 1.0).any() else np.ones(len(w))
+    # float32 pairwise sum (error ~1e-7 relative, far below any top_p resolution): half a float64 sum's time.
+    # Rows without top-p get an infinite mass: no nucleus test can cut them, whatever the rounding.
+    nucleus = batch.top_p < 1.0
+    nucleus_mass = np.full(len(w), np.inf)
+    if nucleus.any():
+        nucleus_mass[nucleus] = (w if nucleus.all() else w[nucleus]).sum(axis=1)
     mp = np.nonzero(batch.min_p > 0.0)[0]
     if len(mp):
         w[mp] = np.where(w[mp] < batch.min_p[mp, None], 0.0, w[mp])
@@ -280,7 +286,7 @@ def _draw(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
             return tokens
         sp = sub if len(nucleus) == len(sub) else sub[nucleus]
         above = sp > sp[np.arange(len(nucleus)), picked[nucleus]][:, None]
-        mass_above = np.where(above, sp, 0.0).sum(axis=1)
+        mass_above = (sp * above).sum(axis=1)  # not np.where(above, sp, 0): twice as fast, the same sums
         rejected = mass_above >= threshold[active[nucleus]]
         if not rejected.any():
             return tokens
