@@ -194,6 +194,10 @@ def link_command(tc: Toolchain, objects: list[str], out: str) -> list[str]:
            f"-L{tc.cudart_lib}", "-l:" + _so_name(tc.cudart_lib, "libcudart"), f"-Wl,-rpath,{tc.cudart_lib}",
            f"-L{tc.cublas_lib}", "-l:" + _so_name(tc.cublas_lib, "libcublasLt"),
            "-l:" + _so_name(tc.cublas_lib, "libcublas"), f"-Wl,-rpath,{tc.cublas_lib}"]
+    # The custom-op API (OpMetaInfoBuilder, CustomOpKernelContext) lives in libphi in Paddle 2.6:
+    # name it, so that every symbol resolves at link time (checked with -Wl,--no-undefined).
+    if os.path.isfile(os.path.join(libs_dir, "libphi.so")):
+        cmd += [f"-L{libs_dir}", "-l:libphi.so", "-Wl,--no-undefined", f"-Wl,-rpath-link,{libs_dir}"]
     return cmd
 
 
