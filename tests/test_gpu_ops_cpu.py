@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
