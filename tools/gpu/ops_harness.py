@@ -581,7 +581,7 @@ class Batch:
         g = self.h // self.kvh
         out = np.zeros((self.T, self.h, self.d))
         for r, (ql, kv) in enumerate(self.rows):
-            if ql == 0:
+            if ql == 0 or kv == 0:  # nothing to attend to: zeros
                 continue
             t0 = self.cu[r]
             pos = kv - ql + np.arange(ql)
