@@ -629,7 +629,7 @@ for dt in DTYPES:
     check(f"paged_attention mixed decode+prefill {dt}", t_attn(mixed_rows, dt=dt))
 for s in (2, 5, 16):
     check(f"paged_attention decode splits={s} bf16", t_attn(decode_rows, splits=s))
-check("paged_attention mixed, splits=4, max_q_len=50 bf16", t_attn(mixed_rows, splits=4, max_q_len=64))
+check("paged_attention mixed, splits=4, max_q_len=64 bf16", t_attn(mixed_rows, splits=4, max_q_len=64))
 check("paged_attention decode-only graph attrs (max_q_len=1) + scratch-block padded rows",
       t_attn([(1, 100), (1, 1), (1, 1)], max_q_len=1, scratch_rows=(1, 2)))
 check("paged_attention bs16 d64 14/2 heads (g=7) mixed bf16", t_attn(mixed_rows, h=14, kvh=2, d=64, bs=16))

@@ -80,27 +80,39 @@ struct Layout {
   static constexpr int KV_ELEMS = 2 * KC * ROW;  // one buffer of K (or V)
 };
 
-// Keys [k0, k0 + KC) of row `btab` (cut at k_end, zero-filled past it) into smem K / V buffers.
+// Cache rows of the keys this thread copies for the chunk starting at k0 (-1: past k_end). Split
+// from the copy itself so the block-table reads for chunk c + 2 are in flight while chunk c is
+// computed (otherwise every chunk waits for a dependent block-table load before its copies).
 template <typename T, int D>
-__device__ __forceinline__ void load_chunk(T* ks, T* vs, const T* kc, const T* vc, const int* btab, int kvh, int j,
-                                           int bs, int k0, int k_end) {
-  using L = Layout<T, D>;
-  for (int i = threadIdx.x; i < KC * L::VPR; i += NT) {
-    const int kr = i / L::VPR, c = i - kr * L::VPR;
-    const int kk = k0 + kr;
-    const bool valid = kk < k_end;
-    const T* sk = kc;
-    const T* sv = vc;
-    if (valid) {
-      const int64_t row = ((int64_t)btab[kk / bs] * kvh + j) * bs + kk % bs;
-      sk = kc + row * D + c * L::VE;
-      sv = vc + row * D + c * L::VE;
+struct ChunkRows {
+  static constexpr int N = KC * Layout<T, D>::VPR / NT;  // 16-byte copies per thread per chunk
+  static_assert(KC * Layout<T, D>::VPR % NT == 0, "chunk must split evenly over the block");
+  int row[N];  // cache row index (fits 32 bits: ~2e9 rows of head_dim)
+
+  __device__ __forceinline__ void compute(const int* btab, int kvh, int j, int bs, int k0, int k_end) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const int kk = k0 + (int)(threadIdx.x + n * NT) / Layout<T, D>::VPR;
+      row[n] = kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
     }
-    cp_async16(ks + kr * L::ROW + c * L::VE, sk, valid);
-    cp_async16(vs + kr * L::ROW + c * L::VE, sv, valid);
   }
-  cp_async_commit();
-}
+
+  // Keys [k0, k0 + KC) into smem K / V buffers; rows past the end are zero-filled (read nothing).
+  __device__ __forceinline__ void issue(T* ks, T* vs, const T* kc, const T* vc) const {
+    using L = Layout<T, D>;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const int i = threadIdx.x + n * NT;
+      const int kr = i / L::VPR, c = i - kr * L::VPR;
+      const bool valid = row[n] >= 0;
+      const T* sk = valid ? kc + (int64_t)row[n] * D + c * L::VE : kc;
+      const T* sv = valid ? vc + (int64_t)row[n] * D + c * L::VE : vc;
+      cp_async16(ks + kr * L::ROW + c * L::VE, sk, valid);
+      cp_async16(vs + kr * L::ROW + c * L::VE, sv, valid);
+    }
+    cp_async_commit();
+  }
+};
 
 // ------------------------------------------------------------------ per-token kernel
 // Per-token kernel smem: q [g][d] f32 | scores [g][KC] f32 | max, sum, rescale [g] f32 | K | V.
@@ -154,7 +166,12 @@ __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
   const T* kc = static_cast<const T*>(a.kc);
   const T* vc = static_cast<const T*>(a.vc);
   const int nchunks = k1 > k0 ? (k1 - k0 + KC - 1) / KC : 0;
-  if (nchunks > 0) load_chunk<T, D>(kbuf, vbuf, kc, vc, btab, a.kvh, j, a.bs, k0, k1);
+  ChunkRows<T, D> rows;  // addresses of the next chunk to issue
+  if (nchunks > 0) {
+    rows.compute(btab, a.kvh, j, a.bs, k0, k1);
+    rows.issue(kbuf, vbuf, kc, vc);
+    if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, k0 + KC, k1);
+  }
 
   float acc[NI][2];
 #pragma unroll
@@ -169,9 +186,10 @@ __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
     cp_async_wait_all();
     __syncthreads();  // chunk c landed; every thread is done with chunk c - 1
     const int kb = k0 + c * KC;
-    if (c + 1 < nchunks)
-      load_chunk<T, D>(kbuf + ((c + 1) & 1) * KC * L::ROW, vbuf + ((c + 1) & 1) * KC * L::ROW, kc, vc, btab, a.kvh, j,
-                       a.bs, kb + KC, k1);
+    if (c + 1 < nchunks) {
+      rows.issue(kbuf + ((c + 1) & 1) * KC * L::ROW, vbuf + ((c + 1) & 1) * KC * L::ROW, kc, vc);
+      if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * KC, k1);
+    }
     const T* ks = kbuf + (c & 1) * KC * L::ROW;
     const T* vs = vbuf + (c & 1) * KC * L::ROW;
     // scores S[head][key] (log2 units)
@@ -335,15 +353,21 @@ __device__ void tile_segment(const Args& a, float* smem, int r, int64_t ts, int6
   const T* kc = static_cast<const T*>(a.kc);
   const T* vc = static_cast<const T*>(a.vc);
   const int nchunks = (kv_end + KC - 1) / KC;
-  if (nchunks > 0) load_chunk<T, D>(kbuf, vbuf, kc, vc, btab, a.kvh, j, a.bs, 0, kv_end);
+  ChunkRows<T, D> rows;
+  if (nchunks > 0) {
+    rows.compute(btab, a.kvh, j, a.bs, 0, kv_end);
+    rows.issue(kbuf, vbuf, kc, vc);
+    if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, KC, kv_end);
+  }
 
   for (int c = 0; c < nchunks; ++c) {
     cp_async_wait_all();
     __syncthreads();
     const int kb = c * KC;
-    if (c + 1 < nchunks)
-      load_chunk<T, D>(kbuf + ((c + 1) & 1) * KC * L::ROW, vbuf + ((c + 1) & 1) * KC * L::ROW, kc, vc, btab, a.kvh, j,
-                       a.bs, kb + KC, kv_end);
+    if (c + 1 < nchunks) {
+      rows.issue(kbuf + ((c + 1) & 1) * KC * L::ROW, vbuf + ((c + 1) & 1) * KC * L::ROW, kc, vc);
+      if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * KC, kv_end);
+    }
     const T* ks = kbuf + (c & 1) * KC * L::ROW;
     const T* vs = vbuf + (c & 1) * KC * L::ROW;
     float sc[4][4];
@@ -515,7 +539,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   int splits = num_splits;
   if (splits <= 0) {
     const int64_t work = T * kvh, target = 2 * (int64_t)num_sms();
-    const int64_t by_ctx = std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 128));
+    const int64_t by_ctx = std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC));
     splits = (int)std::min<int64_t>({work >= target ? 1 : ceil_div(target, std::max<int64_t>(work, 1)), by_ctx, 32});
   }
   splits = std::max(1, std::min(splits, 64));

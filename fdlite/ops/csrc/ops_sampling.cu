@@ -11,8 +11,9 @@
 // (float32 division); top-k keeps x >= the k-th largest (ties survive); top-p keeps x >= the value
 // at which the descending cumulative mass of the top-k survivors first reaches p; min-p keeps
 // x >= max(x) + log(min_p); the kept set is x >= the largest of the three thresholds. The two
-// thresholds are found by a radix select over the order-preserving integer image of float32 (three
-// passes of 11/11/10 bits), not a sort. Then inverse-CDF sampling in vocabulary order with
+// thresholds are found by a select, not a sort: a histogram of 1/64-nat bins below the max, then a
+// radix select (11/11/10 bits) over the order-preserving integer image of float32 of the chosen
+// bin's elements (in shared memory when they fit). Then inverse-CDF sampling in vocabulary order with
 // u(seed, pos, 0): the first token whose inclusive cumulative weight exceeds floor(u * Z).
 //
 // Masses are integers, w = round(exp(x - max x) * 2^44), summed exactly, so the result is
@@ -80,11 +81,19 @@ __device__ uint64_t block_scan(uint64_t v, uint64_t* tmp) {
   return wid > 0 ? v + tmp[wid - 1] : v;
 }
 
+constexpr int NBINS = 2048;     // histogram bins per level
+constexpr int CAND = 2048;      // candidates kept in shared memory after the coarse level
+constexpr float BIN_PER_NAT = 64.f;  // coarse level: bins of 1/64 nat below the max; the last bin
+                                     // holds everything 32 nats or more below it
+
 struct Shared {
-  uint64_t hist[2048];
+  uint64_t hist[NBINS];
+  uint32_t count[NBINS];
+  float cand[CAND];
   uint64_t tmp[32];
   uint64_t above, target;
-  uint32_t prefix;
+  uint32_t prefix, ncand;
+  int bin;
   float fv[32];
   int fi[32];
   float f0;
@@ -140,12 +149,86 @@ __device__ void row_argmax(const float* row, int V, Shared& sh, float& best_v, i
   best_i = sh.i0;
 }
 
-// Largest key K such that W(key >= K) >= target, W summing over elements x >= floor_x of
-// weight 1 (by_mass false) or w(x) (by_mass true). With by_mass the target is ceil(p * total).
-__device__ float radix_select(const float* row, int V, float temp, float mx, float floor_x, bool by_mass,
-                              uint64_t count_target, float p, Shared& sh) {
+__device__ __forceinline__ int coarse_bin(float x, float mx) {
+  const float d = (mx - x) * BIN_PER_NAT;  // monotone in x: larger x, smaller bin
+  return d < (float)(NBINS - 1) ? (int)d : NBINS - 1;
+}
+
+// Thread t owns digits (positions) 2t and 2t + 1 of a histogram scanned in `order` (ascending bins
+// or descending digits). Finds the position where the running total, starting at `above`, first
+// reaches `target`; writes the chosen digit to sh.bin and the total before it to sh.above.
+// With ceil_p >= 0 the target is ceil(ceil_p * total) (top-p), computed here from the scan.
+__device__ void pick(const uint64_t* hist, int nb, bool descending, uint64_t above, uint64_t target, float ceil_p,
+                     Shared& sh) {
+  const int pa = 2 * (int)threadIdx.x, pb = pa + 1;
+  const int da = descending ? nb - 1 - pa : pa, db = descending ? nb - 1 - pb : pb;
+  const uint64_t ha = pa < nb ? hist[da] : 0, hb = pb < nb ? hist[db] : 0;
+  const uint64_t incl = block_scan(ha + hb, sh.tmp);
+  if (ceil_p >= 0.f) {
+    // at least the top token survives (p <= 0 would otherwise select nothing)
+    if (threadIdx.x == NT - 1) sh.target = max((uint64_t)1, (uint64_t)ceil((double)ceil_p * (double)incl));
+    __syncthreads();
+    target = sh.target;
+  }
+  const uint64_t excl = above + incl - ha - hb;
+  if (pa < nb && excl < target && target <= excl + ha) {
+    sh.above = excl;
+    sh.bin = da;
+  } else if (pb < nb && excl + ha < target && target <= excl + ha + hb) {
+    sh.above = excl + ha;
+    sh.bin = db;
+  }
+  __syncthreads();
+}
+
+// The value v at which the descending cumulative W(x >= v) first reaches the target, over elements
+// x >= floor_x; W counts elements (by_mass false, target count_target) or sums w(x) (target
+// ceil(p * total)). Coarse level: linear bins below the max (no atomics piling onto the few float
+// exponents that most logits share); then the order-preserving keys of the chosen bin's elements,
+// 11/11/10 bits, from a shared-memory copy when they fit, else by re-reading the row.
+__device__ float select_desc(const float* row, int V, float temp, float mx, float floor_x, bool by_mass,
+                             uint64_t count_target, float p, Shared& sh) {
+  for (int i = threadIdx.x; i < NBINS; i += NT) {
+    sh.hist[i] = 0;
+    sh.count[i] = 0;
+  }
+  if (threadIdx.x == 0) sh.ncand = 0;
+  __syncthreads();
+  uint64_t tail_w = 0;
+  uint32_t tail_c = 0;
+  for (int i = threadIdx.x; i < V; i += NT) {
+    const float x = clean(row[i]) / temp;
+    if (!(x >= floor_x)) continue;
+    const int b = coarse_bin(x, mx);
+    const uint64_t w = by_mass ? weight(x, mx) : 1ull;
+    if (b == NBINS - 1) {  // the far tail: one atomic per thread at the end
+      tail_w += w;
+      ++tail_c;
+    } else {
+      atomicAdd(reinterpret_cast<unsigned long long*>(&sh.hist[b]), (unsigned long long)w);
+      atomicAdd(&sh.count[b], 1u);
+    }
+  }
+  if (tail_c) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(&sh.hist[NBINS - 1]), (unsigned long long)tail_w);
+    atomicAdd(&sh.count[NBINS - 1], tail_c);
+  }
+  __syncthreads();
+  pick(sh.hist, NBINS, false, 0, count_target, by_mass ? p : -1.f, sh);
+  const int bin = sh.bin;
+  uint64_t above = sh.above;
+  const uint64_t target = by_mass ? sh.target : count_target;
+  const bool in_smem = sh.count[bin] <= (uint32_t)CAND;
+  __syncthreads();
+  if (in_smem) {
+    for (int i = threadIdx.x; i < V; i += NT) {
+      const float x = clean(row[i]) / temp;
+      if (x >= floor_x && coarse_bin(x, mx) == bin) sh.cand[atomicAdd(&sh.ncand, 1u)] = x;
+    }
+    __syncthreads();
+  }
+  const int nc = (int)sh.ncand;
   uint32_t prefix = 0, mask = 0;
-  uint64_t above = 0, target = count_target;
   const int shifts[3] = {21, 10, 0};
   const int widths[3] = {11, 11, 10};
 #pragma unroll
@@ -153,36 +236,24 @@ __device__ float radix_select(const float* row, int V, float temp, float mx, flo
     const int shift = shifts[level], nb = 1 << widths[level];
     for (int i = threadIdx.x; i < nb; i += NT) sh.hist[i] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < V; i += NT) {
-      const float x = clean(row[i]) / temp;
-      if (!(x >= floor_x)) continue;
+    auto add = [&](float x) {
       const uint32_t k = fkey(x);
-      if ((k & mask) != prefix) continue;
+      if ((k & mask) != prefix) return;
       atomicAdd(reinterpret_cast<unsigned long long*>(&sh.hist[(k >> shift) & (nb - 1)]),
                 (unsigned long long)(by_mass ? weight(x, mx) : 1ull));
+    };
+    if (in_smem) {
+      for (int i = threadIdx.x; i < nc; i += NT) add(sh.cand[i]);
+    } else {
+      for (int i = threadIdx.x; i < V; i += NT) {
+        const float x = clean(row[i]) / temp;
+        if (x >= floor_x && coarse_bin(x, mx) == bin) add(x);
+      }
     }
     __syncthreads();
-    // descending digit order: thread t holds digits nb-1-2t and nb-2-2t
-    const int da = nb - 1 - 2 * (int)threadIdx.x, db = da - 1;
-    const uint64_t ha = da >= 0 ? sh.hist[da] : 0, hb = db >= 0 ? sh.hist[db] : 0;
-    const uint64_t incl = block_scan(ha + hb, sh.tmp);
-    if (level == 0 && by_mass) {
-      // at least the top token survives (p <= 0 would otherwise select nothing)
-      if (threadIdx.x == NT - 1) sh.target = max((uint64_t)1, (uint64_t)ceil((double)p * (double)incl));
-      __syncthreads();
-      target = sh.target;
-    }
-    const uint64_t excl = above + incl - ha - hb;
-    if (da >= 0 && excl < target && target <= excl + ha) {
-      sh.above = excl;
-      sh.prefix = prefix | ((uint32_t)da << shift);
-    } else if (db >= 0 && excl + ha < target && target <= excl + ha + hb) {
-      sh.above = excl + ha;
-      sh.prefix = prefix | ((uint32_t)db << shift);
-    }
-    __syncthreads();
+    pick(sh.hist, nb, true, above, target, -1.f, sh);
     above = sh.above;
-    prefix = sh.prefix;
+    prefix |= (uint32_t)sh.bin << shift;
     mask |= (uint32_t)(nb - 1) << shift;
     __syncthreads();
   }
@@ -209,9 +280,9 @@ __global__ void __launch_bounds__(NT) sample_kernel(int64_t* __restrict__ out, c
   const float mx = best_v / temp;  // division is monotone: max(x / t) == max(x) / t
   float thr = -CUDART_INF_F;
   const int k = top_k[s];
-  if (k > 0 && k < V) thr = radix_select(row, V, temp, mx, -CUDART_INF_F, false, (uint64_t)k, 0.f, sh);
+  if (k > 0 && k < V) thr = select_desc(row, V, temp, mx, -CUDART_INF_F, false, (uint64_t)k, 0.f, sh);
   const float p = top_p[s];
-  if (p < 1.f) thr = fmaxf(thr, radix_select(row, V, temp, mx, thr, true, 0, p, sh));
+  if (p < 1.f) thr = fmaxf(thr, select_desc(row, V, temp, mx, thr, true, 0, p, sh));
   const float mp = min_p[s];
   if (mp > 0.f) thr = fmaxf(thr, mx + logf(mp));
 
