@@ -269,30 +269,45 @@ __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
 }
 
 // Merge the splits of the per-token kernel: out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M).
+// One block per (token, head), one thread per dim: wide enough that a batch of one is not one block.
 template <typename T, int D>
-__global__ void __launch_bounds__(NT) attn_reduce_kernel(Args a) {
+__global__ void __launch_bounds__(D) attn_reduce_kernel(Args a) {
+  __shared__ float w_s[64];
+  __shared__ float inv_l;
   const int64_t t = blockIdx.x;
+  const int head = blockIdx.y;
   const int total = a.cu[a.B];
   if (t < total) {
     const int r = find_row(a.cu, a.B, t);
-    if (a.cu[r + 1] - a.cu[r] > kDecodeMaxQ) return;
+    if (a.cu[r + 1] - a.cu[r] > kDecodeMaxQ) return;  // the tile kernel wrote this token
   }
-  for (int it = threadIdx.x; it < a.h * D; it += NT) {
-    const int head = it / D, dd = it - head * D;
-    float M = -CUDART_INF_F;
-    for (int s = 0; s < a.splits; ++s) M = fmaxf(M, a.part_ml[((int64_t)s * a.T + t) * a.h + head].x);
-    float L = 0.f, O = 0.f;
-    if (M != -CUDART_INF_F) {
-      for (int s = 0; s < a.splits; ++s) {
-        const int64_t base = ((int64_t)s * a.T + t) * a.h + head;
-        const float2 ml = a.part_ml[base];
-        const float w = exp2f(ml.x - M);  // 0 for empty splits (m = -inf)
-        L += ml.y * w;
-        O += a.part_o[base * D + dd] * w;
-      }
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float m[2], l[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int s = lane + 32 * u;
+      const float2 ml = s < a.splits ? a.part_ml[((int64_t)s * a.T + t) * a.h + head] : make_float2(-CUDART_INF_F, 0.f);
+      m[u] = ml.x;
+      l[u] = ml.y;
     }
-    static_cast<T*>(a.out)[(t * a.h + head) * D + dd] = from_f<T>(L > 0.f ? O / L : 0.f);
+    const float M = warp_max(fmaxf(m[0], m[1]));
+    float L = 0.f;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const float w = M == -CUDART_INF_F ? 0.f : exp2f(m[u] - M);  // 0 for empty splits (m = -inf)
+      if (lane + 32 * u < 64) w_s[lane + 32 * u] = w;
+      L += l[u] * w;
+    }
+    L = warp_sum(L);
+    if (lane == 0) inv_l = L > 0.f ? 1.f / L : 0.f;
   }
+  __syncthreads();
+  const int dd = threadIdx.x;
+  float O = 0.f;
+#pragma unroll 4
+  for (int s = 0; s < a.splits; ++s) O += a.part_o[(((int64_t)s * a.T + t) * a.h + head) * D + dd] * w_s[s];
+  static_cast<T*>(a.out)[(t * a.h + head) * D + dd] = from_f<T>(O * inv_l);
 }
 
 // ------------------------------------------------------------------ tile kernel
@@ -492,7 +507,7 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
   attn_decode_kernel<T, D><<<dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s>>>(a);
   FDL_CHECK_LAUNCH("fdl_paged_attention (per-token kernel)");
   if (a.splits > 1) {
-    attn_reduce_kernel<T, D><<<(unsigned)a.T, NT, 0, s>>>(a);
+    attn_reduce_kernel<T, D><<<dim3((unsigned)a.T, a.h), D, 0, s>>>(a);
     FDL_CHECK_LAUNCH("fdl_paged_attention (split reduction)");
   }
   if (tiles) {

@@ -82,13 +82,14 @@ __device__ uint64_t block_scan(uint64_t v, uint64_t* tmp) {
 }
 
 constexpr int NBINS = 2048;     // histogram bins per level
-constexpr int CAND = 2048;      // candidates kept in shared memory after the coarse level
+constexpr int CAND = 4096;      // candidates kept in shared memory after the coarse level
 constexpr float BIN_PER_NAT = 64.f;  // coarse level: bins of 1/64 nat below the max; the last bin
                                      // holds everything 32 nats or more below it
 
+// Histograms of exact 64-bit sums kept as two 32-bit halves: shared memory has native 32-bit atomic
+// adds only (a 64-bit add would be a compare-and-swap loop), and integer sums stay deterministic.
 struct Shared {
-  uint64_t hist[NBINS];
-  uint32_t count[NBINS];
+  uint32_t lo[NBINS], hi[NBINS];
   float cand[CAND];
   uint64_t tmp[32];
   uint64_t above, target;
@@ -149,6 +150,17 @@ __device__ void row_argmax(const float* row, int V, Shared& sh, float& best_v, i
   best_i = sh.i0;
 }
 
+__device__ __forceinline__ void hist_add(Shared& sh, int b, uint64_t w) {
+  const uint32_t wl = (uint32_t)w, wh = (uint32_t)(w >> 32);
+  const uint32_t old = atomicAdd(&sh.lo[b], wl);
+  const uint32_t carry = old + wl < old ? 1u : 0u;  // the low half wrapped: carry into the high half
+  if (wh + carry) atomicAdd(&sh.hi[b], wh + carry);
+}
+
+__device__ __forceinline__ uint64_t hist_get(const Shared& sh, int b) {
+  return ((uint64_t)sh.hi[b] << 32) + sh.lo[b];
+}
+
 __device__ __forceinline__ int coarse_bin(float x, float mx) {
   const float d = (mx - x) * BIN_PER_NAT;  // monotone in x: larger x, smaller bin
   return d < (float)(NBINS - 1) ? (int)d : NBINS - 1;
@@ -158,11 +170,10 @@ __device__ __forceinline__ int coarse_bin(float x, float mx) {
 // or descending digits). Finds the position where the running total, starting at `above`, first
 // reaches `target`; writes the chosen digit to sh.bin and the total before it to sh.above.
 // With ceil_p >= 0 the target is ceil(ceil_p * total) (top-p), computed here from the scan.
-__device__ void pick(const uint64_t* hist, int nb, bool descending, uint64_t above, uint64_t target, float ceil_p,
-                     Shared& sh) {
+__device__ void pick(int nb, bool descending, uint64_t above, uint64_t target, float ceil_p, Shared& sh) {
   const int pa = 2 * (int)threadIdx.x, pb = pa + 1;
   const int da = descending ? nb - 1 - pa : pa, db = descending ? nb - 1 - pb : pb;
-  const uint64_t ha = pa < nb ? hist[da] : 0, hb = pb < nb ? hist[db] : 0;
+  const uint64_t ha = pa < nb ? hist_get(sh, da) : 0, hb = pb < nb ? hist_get(sh, db) : 0;
   const uint64_t incl = block_scan(ha + hb, sh.tmp);
   if (ceil_p >= 0.f) {
     // at least the top token survives (p <= 0 would otherwise select nothing)
@@ -188,45 +199,34 @@ __device__ void pick(const uint64_t* hist, int nb, bool descending, uint64_t abo
 // 11/11/10 bits, from a shared-memory copy when they fit, else by re-reading the row.
 __device__ float select_desc(const float* row, int V, float temp, float mx, float floor_x, bool by_mass,
                              uint64_t count_target, float p, Shared& sh) {
-  for (int i = threadIdx.x; i < NBINS; i += NT) {
-    sh.hist[i] = 0;
-    sh.count[i] = 0;
-  }
+  for (int i = threadIdx.x; i < NBINS; i += NT) sh.lo[i] = sh.hi[i] = 0;
   if (threadIdx.x == 0) sh.ncand = 0;
   __syncthreads();
   uint64_t tail_w = 0;
-  uint32_t tail_c = 0;
   for (int i = threadIdx.x; i < V; i += NT) {
     const float x = clean(row[i]) / temp;
     if (!(x >= floor_x)) continue;
     const int b = coarse_bin(x, mx);
     const uint64_t w = by_mass ? weight(x, mx) : 1ull;
-    if (b == NBINS - 1) {  // the far tail: one atomic per thread at the end
-      tail_w += w;
-      ++tail_c;
-    } else {
-      atomicAdd(reinterpret_cast<unsigned long long*>(&sh.hist[b]), (unsigned long long)w);
-      atomicAdd(&sh.count[b], 1u);
-    }
+    if (b == NBINS - 1) tail_w += w;  // the far tail: one atomic per thread at the end
+    else hist_add(sh, b, w);
   }
-  if (tail_c) {
-    atomicAdd(reinterpret_cast<unsigned long long*>(&sh.hist[NBINS - 1]), (unsigned long long)tail_w);
-    atomicAdd(&sh.count[NBINS - 1], tail_c);
-  }
+  if (tail_w) hist_add(sh, NBINS - 1, tail_w);
   __syncthreads();
-  pick(sh.hist, NBINS, false, 0, count_target, by_mass ? p : -1.f, sh);
+  pick(NBINS, false, 0, count_target, by_mass ? p : -1.f, sh);
   const int bin = sh.bin;
   uint64_t above = sh.above;
   const uint64_t target = by_mass ? sh.target : count_target;
-  const bool in_smem = sh.count[bin] <= (uint32_t)CAND;
   __syncthreads();
-  if (in_smem) {
-    for (int i = threadIdx.x; i < V; i += NT) {
-      const float x = clean(row[i]) / temp;
-      if (x >= floor_x && coarse_bin(x, mx) == bin) sh.cand[atomicAdd(&sh.ncand, 1u)] = x;
+  for (int i = threadIdx.x; i < V; i += NT) {  // the chosen bin's elements into shared memory, if they fit
+    const float x = clean(row[i]) / temp;
+    if (x >= floor_x && coarse_bin(x, mx) == bin) {
+      const uint32_t at = atomicAdd(&sh.ncand, 1u);
+      if (at < (uint32_t)CAND) sh.cand[at] = x;
     }
-    __syncthreads();
   }
+  __syncthreads();
+  const bool in_smem = sh.ncand <= (uint32_t)CAND;
   const int nc = (int)sh.ncand;
   uint32_t prefix = 0, mask = 0;
   const int shifts[3] = {21, 10, 0};
@@ -234,13 +234,12 @@ __device__ float select_desc(const float* row, int V, float temp, float mx, floa
 #pragma unroll
   for (int level = 0; level < 3; ++level) {
     const int shift = shifts[level], nb = 1 << widths[level];
-    for (int i = threadIdx.x; i < nb; i += NT) sh.hist[i] = 0;
+    for (int i = threadIdx.x; i < nb; i += NT) sh.lo[i] = sh.hi[i] = 0;
     __syncthreads();
     auto add = [&](float x) {
       const uint32_t k = fkey(x);
       if ((k & mask) != prefix) return;
-      atomicAdd(reinterpret_cast<unsigned long long*>(&sh.hist[(k >> shift) & (nb - 1)]),
-                (unsigned long long)(by_mass ? weight(x, mx) : 1ull));
+      hist_add(sh, (k >> shift) & (nb - 1), by_mass ? weight(x, mx) : 1ull);
     };
     if (in_smem) {
       for (int i = threadIdx.x; i < nc; i += NT) add(sh.cand[i]);
@@ -251,7 +250,7 @@ __device__ float select_desc(const float* row, int V, float temp, float mx, floa
       }
     }
     __syncthreads();
-    pick(sh.hist, nb, true, above, target, -1.f, sh);
+    pick(nb, true, above, target, -1.f, sh);
     above = sh.above;
     prefix |= (uint32_t)sh.bin << shift;
     mask |= (uint32_t)(nb - 1) << shift;
