@@ -215,3 +215,22 @@ def test_gpu_ops_compile_for_sm90_against_paddle_headers():
                        timeout=1800)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "compiled 7 sources for sm_90" in r.stdout
+
+
+# --- wrappers refuse what the kernels cannot take, before any library is loaded ----------------
+
+def test_wrappers_refuse_cpu_tensors_and_checks_can_be_turned_off():
+    paddle = pytest.importorskip("paddle")
+    import fdlite.ops.gpu as G
+
+    x = paddle.ones([2, 8])
+    with pytest.raises(G.GpuOpsError, match="must be on the GPU"):
+        G.rms_norm(x, paddle.ones([8]), 1e-6)
+    with pytest.raises(G.GpuOpsError, match="must be on the GPU"):
+        G.paged_attention(paddle.ones([1, 2, 64]), x, x, x, x, x, 1.0)
+    G.set_checks(False)
+    try:
+        G._check(x, "x", ("int64",), ndim=5)  # nothing checked
+    finally:
+        G.set_checks(True)
+    assert "path" not in G._state  # no library was built or loaded on the way

@@ -15,11 +15,18 @@ does for the fused qkv).
 
 `load()` registers the ops once per process: from $FDLITE_GPU_OPS_LIB, else from the on-disk build
 cache (fdlite.ops.gpu.build, compiled on first use). Not wired into the models yet.
+
+Cost: the checks are Python attribute reads on Paddle tensors (measured on the H100 machine's host
+with Paddle 2.6.2: an eager `rms_norm` call costs 56-113 us of wall time, against 1.8 us per op in a
+graph replay, where no Python runs). An engine that has validated its buffers once (say at
+capture) can turn them off for its eager hot path with `set_checks(False)`, or
+FDLITE_GPU_OPS_CHECKS=0.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import numpy as np
@@ -30,8 +37,18 @@ _state: dict = {}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
+_checks = os.environ.get("FDLITE_GPU_OPS_CHECKS", "1") != "0"
+_dtype_names: dict = {}
+
+
 class GpuOpsError(RuntimeError):
     pass
+
+
+def set_checks(enabled: bool) -> None:
+    """Turn the wrappers' argument checks on or off (on by default; see the module docstring)."""
+    global _checks
+    _checks = bool(enabled)
 
 
 # ------------------------------------------------------------------ loading
@@ -85,10 +102,16 @@ def capi() -> ctypes.CDLL:
 
 # ------------------------------------------------------------------ checks
 def _dtype(t) -> str:
-    return str(t.dtype).replace("paddle.", "")
+    d = t.dtype
+    name = _dtype_names.get(d)
+    if name is None:
+        name = _dtype_names[d] = str(d).replace("paddle.", "")
+    return name
 
 
 def _check(t, name: str, dtypes=None, ndim: int | None = None) -> None:
+    if not _checks:
+        return
     if not t.place.is_gpu_place():
         raise GpuOpsError(f"{name} must be on the GPU, got {t.place}")
     if not t.is_contiguous():
@@ -111,7 +134,7 @@ def cast_(dst, src) -> None:
     """dst = src converted to dst's dtype (float32/float16/bfloat16/int32/int64), in place."""
     _check(dst, "dst")
     _check(src, "src")
-    if dst.shape != src.shape and int(np.prod(dst.shape)) != int(np.prod(src.shape)):
+    if _checks and int(np.prod(dst.shape)) != int(np.prod(src.shape)):
         raise GpuOpsError(f"cast_: sizes differ: {list(dst.shape)} vs {list(src.shape)}")
     _run("fdl_cast_", dst, src)
 
@@ -126,11 +149,12 @@ def cast(x, dtype: str):
 
 def copy_(dst, src) -> None:
     """dst = src (same dtype and size) on dst's stream; src may be a host tensor (pinned inside a capture)."""
-    _check(dst, "dst")
-    if not src.is_contiguous():
-        raise GpuOpsError("src must be contiguous")
-    if _dtype(dst) != _dtype(src) or int(np.prod(dst.shape)) != int(np.prod(src.shape)):
-        raise GpuOpsError("copy_: dtype or size mismatch")
+    if _checks:
+        _check(dst, "dst")
+        if not src.is_contiguous():
+            raise GpuOpsError("src must be contiguous")
+        if _dtype(dst) != _dtype(src) or int(np.prod(dst.shape)) != int(np.prod(src.shape)):
+            raise GpuOpsError("copy_: dtype or size mismatch")
     _run("fdl_copy_", dst, src)
 
 
@@ -264,6 +288,6 @@ def uniform(seeds, positions, round_: int = 0):
     return _run("fdl_uniform", seeds, positions, int(round_))[0]
 
 
-__all__ = ["load", "capi", "GpuOpsError", "fill_", "cast_", "cast", "copy_", "gather_rows", "embedding", "rms_norm",
+__all__ = ["load", "capi", "GpuOpsError", "set_checks", "fill_", "cast_", "cast", "copy_", "gather_rows", "embedding", "rms_norm",
            "fused_add_rms_norm_", "silu_and_mul", "linear", "rope_qk_norm_cache", "paged_attention",
            "lm_head_logits", "argmax", "sample", "uniform"]
