@@ -3,7 +3,7 @@
 Uses a random-weight model with Qwen3-0.6B's shapes (28 layers, hidden 1024, 16/8 heads, head_dim 128,
 vocab 151936), written once with transformers. Both levels run in this one process, side by side.
 
-    python benchmarks/startup_and_step.py [--layers 28] [--batches 1 8 64] [--steps 8]
+    python benchmarks/startup_and_step.py [--layers 28] [--batches 1 8 64] [--steps 8] [--levels 0 1]
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=64, help="prompt tokens per sequence")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--levels", type=int, nargs="+", default=[0, 1], help="graph_opt_level values to measure")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest of --batches")
     args = ap.parse_args()
 
     from fdlite import LLM
@@ -63,8 +65,8 @@ def main() -> None:
     path = args.model or write_model(tempfile.mkdtemp(prefix="fdlite-qwen3-0.6b-"), args.layers)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model: Qwen3-0.6B shapes, {args.layers} layers, random")
     rows = []
-    for level in (0, 1):
-        llm = LLM(path, max_num_seqs=max(args.batches), max_model_len=512, max_num_batched_tokens=1024,
+    for level in args.levels:
+        llm = LLM(path, max_num_seqs=args.max_num_seqs or max(args.batches), max_model_len=512, max_num_batched_tokens=1024,
                   skip_tokenizer_init=True, graph_optimization_config={"graph_opt_level": level})
         r = llm.startup_report
         steps = {b: decode_step_time(llm, b, args.steps, args.ctx) for b in args.batches}

@@ -3,6 +3,11 @@
 import logging as _logging
 import warnings as _warnings
 
+# Before anything imports Paddle: MKL's fast GEMM path on AMD CPUs (see fdlite/mkl_amd.py).
+from fdlite import mkl_amd as _mkl_amd
+
+_mkl_amd.apply()
+
 # Paddle warns on import about a C++ build cache that only matters when compiling custom ops.
 _warnings.filterwarnings("ignore", message="No ccache found")
 

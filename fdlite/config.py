@@ -89,7 +89,11 @@ class EngineConfig:
     tokenizer: str | None = _opt(None, "Tokenizer folder; defaults to the model folder.")
     skip_tokenizer_init: bool = _opt(False, "Load no tokenizer: prompts must be token ids and outputs have no text.")
     dtype: str = _opt("auto", "Weight/activation dtype: auto (from config.json), float32, bfloat16 or float16.")
-    max_model_len: int = _opt(2048, "Longest sequence (prompt + output) in tokens.")
+    max_model_len: int | None = _opt(
+        None, "Longest sequence (prompt + output) in tokens (default: the model's context length, i.e. its "
+        "max_position_embeddings, times a linear/dynamic/YaRN rope-scaling factor as in vLLM, lowered to what the KV "
+        "cache holds; a larger explicit value is an error)."
+    )
     max_num_seqs: int = _opt(8, "Most sequences decoded at once (the batch size).")
     max_num_batched_tokens: int | None = _opt(
         None, "Token budget of one step, prefill and decode together (default with chunked prefill: 2048 as in "
@@ -107,6 +111,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = _opt(
         True, "Split a prompt longer than the step's remaining token budget across steps, so decodes keep running. "
         "On by default, as in vLLM (FastDeploy: off); outputs are the same either way."
+    )
+    async_scheduling: bool = _opt(
+        False, "Overlap the host work of the next step (scheduling, inputs) with the model's forward of this one "
+        "(vLLM's name). Sequences that finish in a step still take part in the next; outputs are the same either way."
     )
     max_num_partial_prefills: int = _opt(
         1, "With chunked prefill: most prompts whose prefill spans steps at once; above 1, each prefill's chunk "
@@ -132,39 +140,45 @@ class EngineConfig:
             raise ValueError(f"use_cudagraph must be a bool, got {self.use_cudagraph!r}")
         if self.use_cudagraph:
             self.graph_optimization_config.use_cudagraph = True
-        positive = ("max_model_len", "max_num_seqs", "block_size", "tensor_parallel_size",
+        positive = ("max_num_seqs", "block_size", "tensor_parallel_size",
                     "max_num_partial_prefills", "max_long_partial_prefills")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        for name in ("max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes",
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes",
                      "long_prefill_token_threshold"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        # Options left unset and filled in here; `resolve_max_model_len` fills them in again.
+        self._derived: set[str] = set()
+        length = self.max_model_len  # None until the model is known (`resolve_max_model_len`)
         if self.max_num_batched_tokens is None:
+            self._derived.add("max_num_batched_tokens")
             # FastDeploy's default: a 2048-token step bounds activation memory and keeps decodes
             # flowing; a step never holds more than max_num_seqs full-length sequences (and the
             # profiling run spreads the budget over max_num_seqs rows of at most max_model_len).
             # Without chunking the longest prompt must fit one step.
             if self.enable_chunked_prefill:
-                self.max_num_batched_tokens = max(min(2048, self.max_num_seqs * self.max_model_len), self.max_num_seqs)
+                cap = 2048 if length is None else min(2048, self.max_num_seqs * length)
+                self.max_num_batched_tokens = max(cap, self.max_num_seqs)
             else:
-                self.max_num_batched_tokens = self.max_model_len
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+                self.max_num_batched_tokens = length
+        if (not self.enable_chunked_prefill and length is not None and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < length):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
-                f"({self.max_model_len}): the longest prompt could never be scheduled; raise it or enable_chunked_prefill"
+                f"({length}): the longest prompt could never be scheduled; raise it or enable_chunked_prefill"
             )
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
@@ -174,7 +188,20 @@ class EngineConfig:
                 f"({self.max_num_partial_prefills})"
             )
         if self.long_prefill_token_threshold is None:
-            self.long_prefill_token_threshold = max(1, int(self.max_model_len * 0.04))
+            self._derived.add("long_prefill_token_threshold")
+            if length is not None:
+                self.long_prefill_token_threshold = max(1, int(length * 0.04))
+
+    def resolve_max_model_len(self, max_model_len: int) -> None:
+        """Set max_model_len (from the model, when the user left it unset) and derive again what follows from it.
+
+        In place, so every holder of this config sees the final values; the options the user left unset
+        (`max_num_batched_tokens`, `long_prefill_token_threshold`) get their defaults for the new length.
+        """
+        for name in self._derived:
+            setattr(self, name, None)
+        self.max_model_len = max_model_len
+        self.__post_init__()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

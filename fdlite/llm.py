@@ -12,12 +12,12 @@ import numpy as np
 
 from fdlite.config import EngineConfig
 from fdlite.default_model import default_model_path
-from fdlite.detokenizer import IncrementalDetokenizer
 from fdlite.distributed.lockstep import check_same_requests, requests_digest
-from fdlite.graph.phases import PhaseRecorder
-from fdlite.graph.static_graph import check_graph_opt_level
+from fdlite.phases import PhaseRecorder
+from fdlite.graph.static_graph import check_graph_opt_level, translation_count
+from fdlite.models.context_length import choose_max_model_len, fit_to_cache
 from fdlite.models.model_config import ModelConfig
-from fdlite.ops.sampler import make_generator
+from fdlite.ops.random import sequence_seed
 from fdlite.outputs import CompletionOutput, RequestOutput
 from fdlite.progress import Progress
 from fdlite.runner.engine import Engine
@@ -53,10 +53,12 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         check_graph_opt_level(self.config.graph_optimization_config.graph_opt_level)
         self.model_path = model or default_model_path()
-        self.phases = PhaseRecorder()
+        self.phases = PhaseRecorder(probes={"sot_translations": translation_count})
 
         with self.phases.phase("load_weights"):
             self.model_config = ModelConfig.from_dir(self.model_path)
+            length = choose_max_model_len(self.config.max_model_len, self.model_config)
+            self.config.resolve_max_model_len(length.tokens)
             self.tokenizer = None
             if not self.config.skip_tokenizer_init:
                 self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.model_path)
@@ -67,6 +69,7 @@ class LLM:
 
         with self.phases.phase("kv_cache"):
             num_blocks = self.runner.num_blocks_to_allocate(profile)
+            self.config.resolve_max_model_len(fit_to_cache(length, num_blocks, self.config.block_size))
             self.runner.allocate_kv_cache(num_blocks)
             self.num_blocks = num_blocks
             logger.info(
@@ -88,7 +91,8 @@ class LLM:
             total_block_num=num_blocks, kv_token_capacity=num_blocks * self.config.block_size,
             bytes_per_block=self.runner.bytes_per_block,
             cudagraph_sizes=sorted(self.runner.graph_runner.graphs) if self.runner.graph_runner else [],
-            sot_translations=sum(e.info.get("count", 0) for e in self.phases.events if e.name == "sot_translate"),
+            sot_translations=(self.phases.probe_at("end", "graph_optimization", "sot_translations")
+                              - self.phases.probe_at("begin", "load_weights", "sot_translations")),
             total_s=time.perf_counter() - t_start,
         )
         logger.info("ready in %.2f s", self.startup_report["total_s"])
@@ -224,12 +228,9 @@ class LLM:
     # ---- internals ------------------------------------------------------------------------
 
     def _new_sequence(self, index: int, child: int, ids: list[int], params: SamplingParams) -> Sequence:
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                           stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         return Sequence(request_index=index, child_index=child, prompt_token_ids=ids, params=params,
-                        generator=make_generator(params.seed, child, self._rng), detokenizer=detok)
+                        seed=sequence_seed(params.seed, child, self._rng),
+                        detokenizer=self.engine.outputs.new_detokenizer(ids, params))
 
     def _fail(self, out: RequestOutput, problem: str) -> None:
         logger.warning("request %s failed: %s", out.request_id, problem)
@@ -240,12 +241,13 @@ class LLM:
     def _completion(self, seq: Sequence) -> CompletionOutput:
         return CompletionOutput(
             index=seq.child_index,
-            text=seq.detokenizer.text if seq.detokenizer is not None else "",
+            text=self.engine.outputs.text(seq),
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=seq.logprobs,
-            cumulative_logprob=seq.cumulative_logprob,
+            # As vLLM: only reported with logprobs (it needs a full-vocabulary log-softmax per token).
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
         )
 
     def _stream(
@@ -275,7 +277,9 @@ class LLM:
                             yield seq.request_index, out
         finally:
             progress.close()
-            self._drop_unfinished([s for _, seqs in live for s in seqs])
+            # Only has work when the caller stopped iterating (or an exception escaped): free the blocks
+            # of what is left so a later call does not run, or trip over, orphaned sequences.
+            self.engine.abort([s for _, seqs in live for s in seqs])
             self.last_generate_stats = self._generate_stats(before, time.perf_counter() - t0, len(live), log=driver)
 
     def _finish(self, out: RequestOutput, seqs: list[Sequence]) -> None:
@@ -305,15 +309,3 @@ class LLM:
                 queried, 100 * stats["prefix_cache_hit_rate"], stats["num_preemptions"],
             )
         return stats
-
-    def _drop_unfinished(self, seqs: list[Sequence]) -> None:
-        # Only reached with work left when the caller stopped iterating (or an exception escaped):
-        # free their blocks so a later call does not run, or trip over, orphaned sequences.
-        sched = self.engine.scheduler
-        for s in seqs:
-            if s.is_finished:
-                continue
-            if s in sched.running:
-                sched.finish(s, "abort")
-            elif s in sched.waiting:
-                sched.waiting.remove(s)

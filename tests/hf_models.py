@@ -6,7 +6,9 @@ oracle shares no code with fdlite.
 
 from __future__ import annotations
 
+import gzip
 import os
+import shutil
 
 import torch
 import transformers
@@ -42,6 +44,18 @@ def write_random_model(path: str, family: str, seed: int = 0, **overrides) -> st
                 p.add_(torch.randn_like(p) * 0.1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def add_qwen3_tokenizer(path: str) -> str:
+    """Put fdlite's shipped Qwen3 tokenizer into a model folder, so `LLM(path)` needs no options (its ids cover
+    any test vocabulary up to 151,643 as ordinary tokens)."""
+    assets = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fdlite", "assets",
+                          "qwen3_tokenizer")
+    with gzip.open(os.path.join(assets, "tokenizer.json.gz"), "rb") as src, \
+            open(os.path.join(path, "tokenizer.json"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    shutil.copyfile(os.path.join(assets, "tokenizer_config.json"), os.path.join(path, "tokenizer_config.json"))
     return path
 
 

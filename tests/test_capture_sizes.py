@@ -6,8 +6,8 @@ import pytest
 
 from fdlite.graph.capture_sizes import (decode_capture_sizes, padded_size, prefill_capture_sizes,
                                         worst_case_prefill_split)
-from fdlite.graph.cudagraph_runner import StaticBuffers
-from fdlite.runner.input_batch import HostBatch
+from fdlite.ops.forward_meta import FlatBatch
+from fdlite.runner.forward_buffers import ForwardBuffers
 
 # Written out from the seed page, not computed by the code under test.
 SEED = ([1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128]
@@ -51,16 +51,23 @@ def test_worst_case_prefill_split():
 
 
 def test_padded_rows_write_and_read_only_the_scratch_block():
-    buf = StaticBuffers(max_tokens=8, max_blocks=3)
-    batch = HostBatch(input_ids=np.array([5, 6, 7]), positions=np.array([3, 0, 9]), slot_mapping=np.array([3, 4, 73]),
-                      token_rows=np.array([0, 1, 2]), block_tables=np.array([[0, 0], [1, 0], [2, 9]]), num_decodes=3)
-    buf.write(batch, size=4, scratch_block=10, block_size=64)
-    assert buf.input_ids[:4].tolist() == [5, 6, 7, 0]
-    assert buf.slot_mapping[:4].tolist() == [3, 4, 73, 640]          # padded token -> scratch slot
-    assert buf.seq_lens_kv[:4].tolist() == [4, 1, 10, 1]              # position + 1; padding sees one slot
-    assert buf.block_tables[3].tolist() == [10, 10, 10]               # padding's table: the scratch block
-    assert buf.block_tables[2].tolist() == [2, 9, 10]
-    # Rows past the padded size are left alone.
-    before = paddle.clone(buf.input_ids[4:])
-    buf.write(batch, size=3, scratch_block=10, block_size=64)
-    assert buf.input_ids[4:].tolist() == before.tolist()
+    buf = ForwardBuffers(max_tokens=8, max_rows=6, max_blocks=3, block_size=64)
+    buf.set_scratch_block(10)
+    batch = FlatBatch(input_ids=np.array([5, 6, 7]), positions=np.array([3, 0, 9]), slot_mapping=np.array([3, 4, 73]),
+                      token_rows=np.array([0, 1, 2]), block_tables=np.array([[0, 0], [1, 0], [2, 9]], np.int32),
+                      seq_lens_kv=np.array([4, 1, 10], np.int32), cu_seqlens_q=np.array([0, 1, 2, 3], np.int32),
+                      logits_indices=np.array([0, 1, 2]), num_decodes=3)
+    buf.write_padded(batch, size=4, decode=True)
+    ids, _, meta = buf.graph_views(4, decode=True, caches=[])
+    assert ids.tolist() == [5, 6, 7, 0]
+    assert meta.slot_mapping.tolist() == [3, 4, 73, 640]          # padded token -> scratch slot
+    assert meta.seq_lens_kv.tolist() == [4, 1, 10, 1]             # padding sees one slot
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+    assert meta.token_rows.tolist() == [0, 1, 2, 6]               # padding reads the scratch row
+    assert meta.block_tables[3].tolist() == [10, 10, 10]          # padded row's table: the scratch block
+    assert meta.block_tables[6].tolist() == [10, 10, 10]          # the scratch row
+    assert meta.block_tables[2].tolist() == [2, 9, 10]
+    # Tokens past the padded size are left alone.
+    before = paddle.clone(buf.input_ids.tensor[4:])
+    buf.write_padded(batch, size=3, decode=True)
+    assert buf.input_ids.tensor[4:].tolist() == before.tolist()

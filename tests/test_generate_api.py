@@ -1,5 +1,6 @@
 """`LLM.generate` / `LLM.chat` behaviour through the public API, on the built-in default model."""
 
+import numpy as np
 import pytest
 
 from fdlite import LLM, RequestOutput, SamplingParams
@@ -55,6 +56,96 @@ def test_stop_string_waits_for_min_tokens(llm):
     # The text produced before min_tokens is kept; the stop string only counts from then on.
     assert len(late.token_ids) >= 4 and late.text.startswith(stop)
     assert late.token_ids == full.token_ids[: len(late.token_ids)]
+
+
+def stop_string_cut(tok, ids, stop, min_tokens, include=False):
+    """Where `stop` ends the greedy output `ids` (vLLM's rule, from full decodes): at the first token k >=
+    min_tokens whose text completes an occurrence that does not lie wholly in the text before token k.
+    Returns (k, text), or None when it never stops."""
+    before = ""
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(ids[:k])
+        if k >= min_tokens:
+            i = text.find(stop, max(len(before) - len(stop) + 1, 0))
+            if i != -1:
+                return k, text[: i + len(stop)] if include else text[:i]
+        before = text
+    return None
+
+
+def test_stop_strings_after_min_tokens_cut_exactly(llm):
+    tok = llm.get_tokenizer()
+    full = llm.generate("Once upon a time", GREEDY, use_tqdm=False)[0].outputs[0]
+    assert full.text == tok.decode(full.token_ids)
+    first = tok.decode(full.token_ids[:1])
+    # A stop string spanning two tokens: the first one where the text changes (ends the k-th token's text).
+    k = next(k for k in range(1, 24) if full.token_ids[k] != full.token_ids[k - 1])
+    spanning = tok.decode(full.token_ids[k - 1:k + 1])
+    assert first.strip() and spanning.strip() and tok.decode(full.token_ids[:k + 1]).endswith(spanning)
+    cases = [(first, 3, False), (first, 4, True), (spanning, k + 1, False), (spanning, k + 1, True),
+             (spanning, k + 2, False)]  # the last: the only match completes before min_tokens
+    stopped = 0
+    for stop, min_tokens, include in cases:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=min_tokens,
+                                include_stop_str_in_output=include)
+        out = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+        want = stop_string_cut(tok, full.token_ids, stop, min_tokens, include)
+        case = (stop, min_tokens, include)
+        if want is None:
+            assert (out.finish_reason, out.stop_reason, out.token_ids, out.text) == \
+                ("length", None, full.token_ids, full.text), case
+        else:
+            stopped += 1
+            assert (out.finish_reason, out.stop_reason) == ("stop", stop), case
+            assert (out.token_ids, out.text) == (full.token_ids[: want[0]], want[1]), case
+    assert stopped == 4
+
+
+@pytest.fixture(scope="module")
+def ids_llm(model_dirs):
+    """A random-weight model whose greedy outputs vary more than the built-in one's, for stop tokens."""
+    return LLM(model_dirs["qwen3"], skip_tokenizer_init=True, max_num_seqs=4, max_model_len=256)
+
+
+def first_repeated_token(ids):
+    """(a, t): the first token t that appears at index a >= 1 for the first time and again later."""
+    for a, t in enumerate(ids):
+        if a >= 1 and ids.index(t) == a and t in ids[a + 1:]:
+            return a, t
+    raise AssertionError(f"test premise: no token repeats in {ids}")
+
+
+@pytest.mark.parametrize("kind", ["stop_token_ids", "eos"])
+def test_stop_tokens_after_min_tokens_cut_exactly(ids_llm, kind):
+    prompt = np.random.default_rng(0).integers(3, 500, size=12).tolist()
+
+    def gen(ids, **kw):
+        return ids_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, **kw),
+                                use_tqdm=False)[0].outputs[0]
+
+    full = gen(prompt, max_tokens=24, ignore_eos=True).token_ids
+    a, t = first_repeated_token(full)
+    stop = {"stop_token_ids": [t]} if kind == "stop_token_ids" else {}
+    want_reason = t if kind == "stop_token_ids" else None
+    if kind == "eos":
+        ids_llm.engine.eos_token_ids.add(t)
+    try:
+        # min_tokens = a: a tokens are out when t comes, so it stops there, the (a + 1)-th token.
+        out = gen(prompt, max_tokens=24, min_tokens=a, **stop)
+        assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", want_reason, full[: a + 1])
+        # min_tokens = a + 1: t is held back at index a, so the output goes another way; the reference is
+        # the same request split in two: the first min_tokens tokens, then the rest from that longer
+        # prompt with no min_tokens.
+        m = a + 1
+        head = gen(prompt, max_tokens=m, min_tokens=m, **stop)
+        assert head.finish_reason == "length" and t not in head.token_ids and head.token_ids[:a] == full[:a]
+        tail = gen(prompt + head.token_ids, max_tokens=24 - m, **stop)
+        assert tail.finish_reason == "stop", "test premise: t comes again after min_tokens"
+        out = gen(prompt, max_tokens=24, min_tokens=m, **stop)
+        assert (out.finish_reason, out.stop_reason) == (tail.finish_reason, tail.stop_reason)
+        assert out.token_ids == head.token_ids + tail.token_ids
+    finally:
+        ids_llm.engine.eos_token_ids.discard(t)
 
 
 def test_stop_token_ids_and_min_tokens(llm):

@@ -13,7 +13,7 @@ import pytest
 import fdlite.graph.cudagraph_runner as cudagraph_runner
 import fdlite.runner.model_runner as model_runner
 from fdlite import LLM, SamplingParams
-from fdlite.graph.cuda import DeviceMemory
+from fdlite.kvcache.device_memory import DeviceMemory
 from fdlite.graph.static_graph import translation_count
 from hf_models import load_reference, reference_greedy
 
@@ -36,9 +36,13 @@ def qwen3(model_dirs):
 
 
 @pytest.fixture(scope="module")
-def eager_tokens(qwen3):
-    llm = LLM(qwen3, **COMMON)
-    return tokens(llm.generate(prompts(24), GREEDY, use_tqdm=False))
+def eager_llm(qwen3):
+    return LLM(qwen3, **COMMON)
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(eager_llm):
+    return tokens(eager_llm.generate(prompts(24), GREEDY, use_tqdm=False))
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +58,21 @@ def test_level0_matches_transformers(qwen3, eager_tokens):
 def test_sot_level1_matches_level0(sot_llm, eager_tokens):
     assert sot_llm.startup_report["sot_translations"] > 0  # SOT really translated at startup
     assert tokens(sot_llm.generate(prompts(24), GREEDY, use_tqdm=False)) == eager_tokens
+    # ... and every step of the run went through the translated function, not the dynamic forward.
+    stats = sot_llm.last_generate_stats
+    assert stats["sot_calls"] == stats["num_steps"] > 0
+
+
+def test_sot_translates_in_its_warmup_phase_only(sot_llm):
+    """Translation counts read by the phase recorder from SOT's own counter at each phase's start."""
+    ph = sot_llm.phases
+    at = {phase: ph.probe_at("begin", phase, "sot_translations")
+          for phase in ("load_weights", "profile_run", "kv_cache", "graph_optimization", "sot_warmup")}
+    assert len(set(at.values())) == 1, at  # nothing translated before the warm-up began
+    end = ph.probe_at("end", "sot_warmup", "sot_translations")
+    assert end > at["sot_warmup"]
+    assert ph.probe_at("end", "graph_optimization", "sot_translations") == end
+    assert sot_llm.startup_report["sot_translations"] == end - at["load_weights"]
 
 
 def test_sot_translates_a_bounded_number_of_times(sot_llm):
@@ -64,6 +83,8 @@ def test_sot_translates_a_bounded_number_of_times(sot_llm):
     assert sot_llm.engine.num_steps - steps >= 100  # many steps, many batch shapes
     # Warm-up made the token dimension symbolic: 200 requests of new shapes translate at most twice more.
     assert translation_count() - before <= 2
+    # Not because SOT sat idle: every one of those steps called the translated function.
+    assert sot_llm.last_generate_stats["sot_calls"] == sot_llm.engine.num_steps - steps
 
 
 def test_top_level_use_cudagraph_is_fastdeploys_shorthand():
@@ -106,6 +127,43 @@ def test_decode_graphs_give_identical_tokens(graph_llm, eager_tokens):
     before = graph_llm.runner.graph_runner.num_replays
     assert tokens(graph_llm.generate(prompts(24), GREEDY, use_tqdm=False)) == eager_tokens
     assert graph_llm.runner.graph_runner.num_replays > before
+    stats = graph_llm.last_generate_stats
+    assert stats["cudagraph_replays"] == graph_llm.runner.graph_runner.num_replays - before
+    # Eager steps (prefills) run the translated function; the stand-in's replays call it again too.
+    assert stats["sot_calls"] == stats["num_steps"]
+
+
+def test_padded_decode_graphs_give_identical_tokens(qwen3, monkeypatch):
+    """Batches of 7, 6, 5 and 3 run in the graphs of 8 and 4: the tokens are eager's, and the padding rows
+    write nothing outside the scratch block (the KV cache equals eager's everywhere else)."""
+    monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
+    graph = LLM(qwen3, graph_optimization_config={"use_cudagraph": True}, **COMMON)
+    eager = LLM(qwen3, **COMMON)  # fresh too, so both hand out the same blocks in the same order
+    # Eight prompts prefill together; one finishes after each step, so decode batches shrink 7, 6, ..., 1.
+    batch = prompts(8, seed=2, max_len=30)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in range(1, 9)]
+    for llm in (graph, eager):  # the same start: capture and verify wrote dummy KV into the graph LLM's cache
+        llm.runner.kv_cache.poison_blocks(list(range(llm.num_blocks)))
+    assert tokens(graph.generate(batch, params, use_tqdm=False)) == tokens(eager.generate(batch, params, use_tqdm=False))
+    gr = graph.runner.graph_runner
+    assert gr.replays_by_size == {(8, 7): 1, (8, 6): 1, (8, 5): 1, (4, 4): 1, (4, 3): 1, (2, 2): 1, (1, 1): 1}
+    assert graph.last_generate_stats["cudagraph_padded_replays"] == 4
+    for got, want in zip(graph.runner.kv_cache.caches, eager.runner.kv_cache.caches):
+        for g, w in zip(got, want):  # K and V; the last block is the scratch one
+            np.testing.assert_allclose(g.numpy()[:-1], w.numpy()[:-1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_replaced_static_buffer_is_caught_at_replay(graph_llm):
+    """The eager stand-in binds its inputs at capture, as a real graph binds addresses: a buffer
+    replaced by a new tensor (instead of written in place) fails the replay."""
+    buffers = graph_llm.runner.graph_runner.buffers
+    saved = buffers.input_ids
+    buffers.input_ids = saved.clone()
+    try:
+        with pytest.raises(RuntimeError, match=r"static graph inputs \['input_ids'\] are not the tensors captured"):
+            graph_llm.generate(prompts(2), GREEDY, use_tqdm=False)
+    finally:
+        buffers.input_ids = saved
 
 
 def test_startup_order_sot_inside_capture_inside_allreduce_context(graph_llm):
@@ -115,24 +173,37 @@ def test_startup_order_sot_inside_capture_inside_allreduce_context(graph_llm):
              ph.index("point", "sot_translate"), ph.index("point", "cudagraph_captured"),
              ph.index("end", "cudagraph_capture"), ph.index("end", "capture_custom_allreduce")]
     assert order == sorted(order)
-    # No SOT translation before capture began: the first translation is inside it.
+    # No SOT translation before capture began, read from SOT's own counter at each phase's start
+    # (not from the "sot_translate" points, which the capture code emits itself).
+    at = {phase: ph.probe_at("begin", phase, "sot_translations")
+          for phase in ("load_weights", "profile_run", "kv_cache", "graph_optimization", "capture_custom_allreduce",
+                        "cudagraph_capture")}
+    assert len(set(at.values())) == 1, at
+    assert ph.probe_at("end", "cudagraph_capture", "sot_translations") > at["cudagraph_capture"]
     first_translation = ph.index("point", "sot_translate")
     assert first_translation > ph.index("begin", "cudagraph_capture")
     captured = [e.info["size"] for e in ph.events if e.name == "cudagraph_captured"]
     assert captured == [8, 4, 2, 1]  # largest first, sharing one pool
 
 
-def test_graph_buffers_keep_their_addresses(graph_llm):
+def test_graph_buffers_keep_their_addresses(graph_llm, eager_llm):
     gr = graph_llm.runner.graph_runner
     ptrs = {k: t.data_ptr() for k, t in gr.buffers.tensors().items()}
+    graphs = dict(gr.graphs)
+    outputs = {s: g.output for s, g in gr.graphs.items()}
     out_ptrs = {s: g.output.data_ptr() for s, g in gr.graphs.items()}
-    steps, replays = graph_llm.engine.num_steps, gr.num_replays
+    steps, replays, padded = graph_llm.engine.num_steps, gr.num_replays, gr.num_padded_replays
     rng = np.random.default_rng(5)
     # Changing batches: sizes 1..8 come and go as requests of different lengths finish.
     params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(1, 40, size=60)]
-    graph_llm.generate(prompts(60, seed=3, max_len=20), params, use_tqdm=False)
+    batch = prompts(60, seed=3, max_len=20)
+    got = tokens(graph_llm.generate(batch, params, use_tqdm=False))
     assert graph_llm.engine.num_steps - steps >= 100 and gr.num_replays - replays >= 50
+    assert gr.num_padded_replays - padded >= 10
+    assert got == tokens(eager_llm.generate(batch, params, use_tqdm=False))
     assert {k: t.data_ptr() for k, t in gr.buffers.tensors().items()} == ptrs
+    # Nothing was captured again: the same graphs, each replaying into the output it captured.
+    assert gr.graphs == graphs and all(g.output is outputs[s] for s, g in gr.graphs.items())
     assert {s: g.output.data_ptr() for s, g in gr.graphs.items()} == out_ptrs
 
 
@@ -143,13 +214,16 @@ class StaleGraph(cudagraph_runner.EagerReplayGraph):
         return self.output
 
 
-def test_verify_rejects_a_graph_that_ignores_new_inputs(qwen3, monkeypatch):
+def test_verify_rejects_a_graph_that_ignores_new_inputs(qwen3, eager_tokens, monkeypatch):
     monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
     monkeypatch.setattr(cudagraph_runner, "EagerReplayGraph", StaleGraph)
     with pytest.raises(RuntimeError, match="CUDA graph self-check failed: the decode graph for size 8"):
         LLM(qwen3, graph_optimization_config={"use_cudagraph": True}, **COMMON)
-    # With the check off, the broken graph would have shipped.
-    LLM(qwen3, graph_optimization_config={"use_cudagraph": True, "verify_cudagraph": False}, **COMMON)
+    # With the check off, the broken graph would have shipped: it starts, and its outputs are wrong.
+    broken = LLM(qwen3, graph_optimization_config={"use_cudagraph": True, "verify_cudagraph": False}, **COMMON)
+    got = tokens(broken.generate(prompts(24), GREEDY, use_tqdm=False))
+    assert broken.runner.graph_runner.num_replays > 0
+    assert got != eager_tokens
 
 
 def test_prefill_only_graphs_keyed_by_token_count(qwen3, eager_tokens, monkeypatch):

@@ -1,4 +1,4 @@
-"""`fdlite run` end to end on CPU with the built-in model: outputs, resume after SIGKILL, errors, exit codes."""
+"""`fdlite run` end to end on CPU with the built-in model: outputs, resume after a SIGKILL mid-write, errors, exit codes."""
 
 import json
 import os
@@ -91,7 +91,34 @@ def test_job_end_to_end_matches_the_python_api(tmp_path, capsys):
     assert "output tokens/s" in printed and "latency p50" in printed
 
 
-def test_sigkill_midway_then_rerun_gives_each_id_once_and_identical_output(tmp_path, capsys):
+# Runs `fdlite run` with os.write wrapped: after LINES whole lines of OUT it writes the next line all but its
+# newline, touches MARKER and sleeps, so the test's SIGKILL lands between the two parts of a write. (A line is
+# one os.write; the kernel may still cut it anywhere, and a cut right before the newline is the case that looks
+# like a whole record.)
+KILL_MID_WRITE = """
+import os, sys, time
+out, marker, lines = os.path.realpath(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+real_write, written = os.write, [0]
+
+def write(fd, data):
+    try:
+        ours = os.path.realpath(f"/proc/self/fd/{fd}") == out
+    except OSError:
+        ours = False
+    if ours and written[0] == lines:
+        real_write(fd, bytes(data)[:-1])
+        open(marker, "w").close()
+        time.sleep(600)
+    written[0] += ours
+    return real_write(fd, data)
+
+os.write = write
+from fdlite.cli import main
+raise SystemExit(main(sys.argv[4:]))
+"""
+
+
+def test_sigkill_mid_write_then_rerun_gives_each_id_once_and_identical_output(tmp_path, capsys):
     records = [{"id": f"r{i:02d}", "prompt": f"{p} (again {i})"} for i, p in enumerate(PROMPTS + PROMPTS)]
     engine = {"max_num_seqs": 2, "max_model_len": 256}
     sampling = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
@@ -99,37 +126,40 @@ def test_sigkill_midway_then_rerun_gives_each_id_once_and_identical_output(tmp_p
     assert run(full_job, "--no-progress") == 0
     job, out = write_job(tmp_path, records, name="killed", engine=engine, sampling=sampling)
 
-    proc = subprocess.Popen([sys.executable, "-m", "fdlite", "run", job, "--no-progress"], env=fdlite_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker, whole = tmp_path / "mid-write", 4
+    (tmp_path / "kill_mid_write.py").write_text(KILL_MID_WRITE)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "kill_mid_write.py"), out, str(marker), str(whole),
+                             "run", job, "--no-progress"], env=fdlite_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
-        done = 0
-        while time.monotonic() < deadline and proc.poll() is None:
-            if os.path.exists(out):
-                with open(out, "rb") as f:
-                    done = f.read().count(b"\n")
-                if done >= 4:
-                    break
-            time.sleep(0.005)
-        assert proc.poll() is None, "the job finished before it could be killed"
+        while time.monotonic() < deadline and proc.poll() is None and not marker.exists():
+            time.sleep(0.01)
+        assert marker.exists(), f"the job never reached its fifth line (exit code {proc.poll()})"
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    partial = read_jsonl(out)
-    assert 4 <= len(partial) < len(records), "the kill did not land midway"
+    with open(out, "rb") as f:
+        data = f.read()
+    *kept, torn = data.split(b"\n")
+    assert len(kept) == whole
+    # The torn line is a whole record but for its newline: it must be redone all the same.
+    assert json.loads(torn)["id"].startswith("r")
+    partial = [json.loads(line) for line in kept]
     assert not (tmp_path / "out" / "killed.summary.json").exists()
 
     assert run(job) == 0  # with the progress bar: it starts at the resumed count
     rerun = capsys.readouterr()
-    assert f"{len(partial)}/{len(records)}" in rerun.err
-    assert f"({len(partial)} resumed, {len(records) - len(partial)} this run)" in rerun.out
+    assert f"cut away a torn last line ({len(torn)} bytes) left by an interrupted run" in rerun.err
+    assert f"{whole}/{len(records)}" in rerun.err
+    assert f"({whole} resumed, {len(records) - whole} this run)" in rerun.out
 
     rows, full = read_jsonl(out), read_jsonl(full_out)
     ids = [r["id"] for r in rows]
-    assert len(ids) == len(set(ids)) == len(records)  # every id exactly once
-    assert rows[: len(partial)] == partial  # what was on disk before the kill is kept as it was
+    assert len(ids) == len(set(ids)) == len(records)  # every id exactly once, the torn one included
+    assert rows[:whole] == partial  # what was on disk before the kill is kept as it was
     keep = ("text", "token_ids", "finish_reason", "prompt_tokens", "output_tokens")
     assert {r["id"]: [r[k] for k in keep] for r in rows} == {r["id"]: [r[k] for k in keep] for r in full}
 

@@ -226,6 +226,40 @@ def test_finished_outputs_are_cached_like_prompt_tokens(model_dirs):
                                                       use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_a_block_is_shared_only_behind_the_same_prefix(model_dirs):
+    """End to end: a block's tokens seen before behind another prefix are no hit (its KV depends on all
+    the tokens before it); behind the same prefix they are."""
+    rng = np.random.default_rng(8)
+    x, y, z = (rng.integers(3, 512, size=16).tolist() for _ in range(3))
+    first = x + y + z + [5, 6, 7]
+    shifted = y + z + [8, 9]  # y and z again, but at the start
+    same = x + y + [10, 11]  # x and y again, at the same place
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(model_dirs["qwen3"], **COMMON)
+    plain = LLM(model_dirs["qwen3"], enable_prefix_caching=False, **COMMON)
+    for prompt, hits in ((first, 0), (shifted, 0), (same, 32)):
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert out.metrics["num_cached_tokens"] == hits
+        assert out.outputs[0].token_ids == plain.generate({"prompt_token_ids": prompt}, params,
+                                                          use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_eviction_under_pressure_keeps_the_head_of_a_chain(model_dirs):
+    """End to end: evicting a finished request's tail blocks first leaves its head findable."""
+    rng = np.random.default_rng(9)
+    a = rng.integers(3, 512, size=100).tolist()  # 6 full blocks + 4 tokens
+    b = rng.integers(3, 512, size=130).tolist()  # 9 blocks with its output
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(model_dirs["qwen2"], num_gpu_blocks_override=12, **dict(COMMON, max_model_len=192))
+    first = llm.generate({"prompt_token_ids": a}, params, use_tqdm=False)[0]
+    # a's 6 full blocks stay cached; 6 blocks are free. b needs 9: 3 of a's are evicted, tails first.
+    llm.generate({"prompt_token_ids": b}, params, use_tqdm=False)
+    assert llm.last_generate_stats["prefix_cache_evicted_blocks"] == 3
+    again = llm.generate({"prompt_token_ids": a}, params, use_tqdm=False)[0]
+    assert again.metrics["num_cached_tokens"] == 3 * 16  # a's first 3 blocks, still chained from the root
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_preempted_sequences_find_their_own_blocks_again(model_dirs):
     rng = np.random.default_rng(11)
     prompts = [{"prompt_token_ids": rng.integers(3, 512, size=int(n)).tolist()} for n in rng.integers(90, 200, size=12)]

@@ -10,6 +10,7 @@ from fdlite.ops.sampler import (
     SamplingRow,
     apply_penalties,
     make_generator,
+    rows_to_batch,
 )
 from fdlite.sampling_params import SamplingParams
 
@@ -123,9 +124,9 @@ def test_filters_match_numpy_reference(sampler):
 
 
 def test_penalties_by_hand():
-    logits = tensor([[2.0, -2.0, 1.0, 0.5]])
+    logits = np.asarray([[2.0, -2.0, 1.0, 0.5]], np.float32)
     r = row(prompt=[0], output=[1, 1, 2], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.1)
-    got = apply_penalties(logits, [r]).numpy()[0]
+    got = apply_penalties(logits, rows_to_batch([r], EOS, 4))[0]
     # token 0: prompt only -> 2 / 2. token 1: -2 * 2 - 0.5 * 2 - 0.1. token 2: 1 / 2 - 0.5 - 0.1.
     np.testing.assert_allclose(got, [1.0, -5.1, -0.1, 0.5], rtol=1e-6)
 
@@ -139,8 +140,9 @@ def test_greedy_is_argmax_on_fast_and_full_paths(sampler):
     assert isinstance(fast, SamplerOutput)
     assert fast.token_ids == want == full.token_ids
     assert fast.logprobs == [None] * 8
+    # Without logprobs nothing is reported (no full-vocabulary log-softmax on the greedy path).
+    assert fast.sampled_logprobs == [None] * 8
     raw = log_softmax(logits)
-    np.testing.assert_allclose(fast.sampled_logprobs, raw[np.arange(8), want], atol=1e-5)
     np.testing.assert_allclose(full.sampled_logprobs, raw[np.arange(8), want], atol=1e-5)
 
 
@@ -204,10 +206,13 @@ def test_different_seeds_and_children_differ(sampler):
 def test_make_generator():
     fallback = np.random.default_rng(0)
     a, b = make_generator(None, 0, fallback), make_generator(None, 0, fallback)
-    assert a.random() != b.random()  # unseeded: independent streams
-    assert make_generator(5, 2, fallback).random() == make_generator(5, 2, np.random.default_rng(9)).random()
-    assert make_generator(5, 0, fallback).random() != make_generator(5, 1, fallback).random()
-    make_generator(-1, 0, fallback).random()  # negative seeds are accepted
+    assert a != b  # unseeded: independent streams
+    assert make_generator(5, 2, fallback) == make_generator(5, 2, np.random.default_rng(9))
+    assert make_generator(5, 0, fallback) != make_generator(5, 1, fallback)
+    # Negative seeds are accepted and fold into uint64 range: -k is the seed 2**64 - k, not k.
+    for seed in (-1, -1234):
+        assert make_generator(seed, 0, fallback) == make_generator(seed + 2**64, 0, fallback)
+        assert make_generator(seed, 0, fallback) != make_generator(-seed, 0, fallback)
 
 
 def _chi_square(counts, probs):
@@ -218,7 +223,10 @@ def _chi_square(counts, probs):
     return float(((counts[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=6, top_p=0.9)])
+# The last three draw top-p / min-p by rejection over the whole vocabulary (no top-k).
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=6, top_p=0.9),
+                                    dict(temperature=0.9, top_p=0.6), dict(top_p=0.3, min_p=0.05),
+                                    dict(temperature=1.2, min_p=0.2)])
 def test_empirical_distribution_matches(sampler, params):
     vocab, draws = 10, 5000
     logits = np.random.default_rng(5).normal(size=vocab)
@@ -240,7 +248,7 @@ def test_min_tokens_masks_eos_and_stop_ids(sampler):
     logits[:, 20] = 30.0
     rows = [
         row(output=[1, 2], min_tokens=3, stop_token_ids=[9], temperature=0.0),  # too short: neither
-        row(output=[1, 2, 4], min_tokens=3, stop_token_ids=[9], temperature=0.0),  # long enough: EOS
+        row(output=[1, 2, 4], min_tokens=3, stop_token_ids=[9], temperature=0.0, logprobs=0),  # long enough: EOS
         row(output=[1], min_tokens=3, stop_token_ids=[9], ignore_eos=True, temperature=0.0),  # EOS not a stop
         row(output=[1], min_tokens=3, stop_token_ids=[9], seed=0),  # random rows too
     ]

@@ -11,7 +11,7 @@ from fdlite.sampling_params import SamplingParams
 
 def make_seq(i: int, prompt_len: int) -> Sequence:
     return Sequence(request_index=i, child_index=0, prompt_token_ids=list(range(3, 3 + prompt_len)),
-                    params=SamplingParams(temperature=0, max_tokens=8), generator=np.random.default_rng(i))
+                    params=SamplingParams(temperature=0, max_tokens=8), seed=i)
 
 
 def run_step(sched: Scheduler) -> list[tuple[int, int]]:
@@ -55,11 +55,17 @@ def test_token_budget_holds_back_a_prompt_until_it_fits():
 def test_preemption_frees_blocks_and_requeues_at_front():
     cfg = EngineConfig(max_model_len=16, max_num_seqs=2, max_num_batched_tokens=16, block_size=4)
     sched = Scheduler(cfg, BlockAllocator(4, 4))  # 16 token slots in all
-    a, b = make_seq(0, 8), make_seq(1, 8)
-    sched.add(a)
-    sched.add(b)
-    assert run_step(sched) == [(0, 8), (1, 8)]
+    a, b, c = make_seq(0, 8), make_seq(1, 8), make_seq(2, 4)
+    for s in (a, b, c):
+        sched.add(s)
+    assert run_step(sched) == [(0, 8), (1, 8)]  # c waits: max_num_seqs=2
     # Each now needs a third block to decode; none is free, so the later arrival (b) is preempted.
     assert run_step(sched) == [(0, 1)]
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
-    assert sched.waiting[0] is b and b.num_preemptions == 1
+    assert b.num_preemptions == 1
+    # b goes back in front of c, which has waited all along, not behind it.
+    assert list(sched.waiting) == [b, c]
+    sched.finish(a, "length")
+    # b comes back first (prompt + its sampled token recomputed), then c joins behind it.
+    assert run_step(sched) == [(1, 9), (2, 4)]
+    assert not sched.waiting

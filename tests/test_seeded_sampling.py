@@ -23,6 +23,12 @@ def test_seed_is_independent_of_batch(model_dirs):
     other_seed = llm.generate(target, reseeded, use_tqdm=False)[0].outputs[0].token_ids
     assert other_seed != alone  # the seed matters
 
+    # A negative seed is its uint64 fold, through the public API too.
+    negative = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=-1234, max_tokens=24, ignore_eos=True)
+    folded = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=2**64 - 1234, max_tokens=24, ignore_eos=True)
+    got = llm.generate([target, target], [negative, folded], use_tqdm=False)
+    assert got[0].outputs[0].token_ids == got[1].outputs[0].token_ids != alone
+
 
 def test_unseeded_sampling_varies_and_n_gives_n_outputs(model_dirs):
     llm = LLM(model_dirs["llama"], skip_tokenizer_init=True, max_num_seqs=8, block_size=16, max_model_len=512)

@@ -3,9 +3,9 @@
 SPEC is a JSON list of cases ({name, model, options, prompts, sampling, rank_options, rank_prompts});
 each rank builds an `LLM` per case in turn (the process group is set up once, by the first) and writes
 OUT/<name>.rank<r>.json with what the test checks: the tokens rank 0 returned, how many outputs the
-other ranks got, the agreed KV block count, the all-reduce backend, the log lines about the custom
-all-reduce, SOT translations, CUDA-graph use and how many all-reduces ran inside graph capture, or the
-error a case raised.
+other ranks got, the agreed KV block count, the KV heads each rank holds, the all-reduce backend, the
+log lines about the custom all-reduce, SOT translations and calls, CUDA-graph use and how many
+all-reduces ran inside graph capture, or the error a case raised.
 """
 
 import json
@@ -16,7 +16,7 @@ import sys
 from fdlite import LLM, SamplingParams
 from fdlite.graph.static_graph import translation_count
 from fdlite.ops.allreduce import is_capturing_custom_allreduce
-from fdlite.ops.allreduce.communicator import Communicator
+from fdlite.distributed.communicator import Communicator
 
 ALL_REDUCES = {"total": 0, "capturing": 0}
 _real_all_reduce = Communicator.all_reduce
@@ -62,9 +62,12 @@ def run_case(case: dict, rank: int) -> dict:
         "num_blocks": llm.num_blocks,
         "backend": llm.runner.comm.backend,
         "kv_heads_here": llm.runner.tp.num_kv_heads,
+        "kv_head_start": llm.runner.tp.kv_head_start,
         "custom_all_reduce_lines": [m for m in log.lines if "custom all-reduce" in m],
         "sot_translations": llm.startup_report["sot_translations"],
         "sot_translations_during_run": translation_count() - before,
+        "sot_calls": llm.last_generate_stats["sot_calls"],
+        "num_steps": llm.last_generate_stats["num_steps"],
         "cudagraph_sizes": llm.startup_report["cudagraph_sizes"],
         "cudagraph_replays": llm.runner.graph_runner.num_replays if llm.runner.graph_runner else 0,
         "all_reduces": dict(ALL_REDUCES),

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 START, END = "<!-- options:start -->", "<!-- options:end -->"
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+sys.path.insert(0, ROOT)  # document this checkout's options, not an installed fdlite's
 
 
 def options_table() -> str:

@@ -21,7 +21,7 @@ import json
 import numpy as np
 import paddle
 
-from fdlite.ops.allreduce.communicator import Communicator
+from fdlite.distributed.communicator import Communicator
 from fdlite.ops.sampler import SamplerOutput
 from fdlite.runner.sequence import Sequence
 from fdlite.sampling_params import SamplingParams
@@ -56,5 +56,5 @@ def share_sampled_tokens(comm: Communicator, sampled: SamplerOutput | None, seqs
         return sampled
     tokens = comm.broadcast_from_driver(paddle.zeros([n], dtype="int64")).numpy().tolist()
     # No logprobs here: an empty entry where the request asked for them keeps the step loop's shape.
-    return SamplerOutput(token_ids=[int(t) for t in tokens], sampled_logprobs=[0.0] * n,
+    return SamplerOutput(token_ids=[int(t) for t in tokens], sampled_logprobs=[None] * n,
                          logprobs=[{} if s.params.logprobs is not None else None for s in seqs])

@@ -2,7 +2,8 @@
 
 Level 0 runs the layer's dynamic forward; levels 1 and 2 run it translated by SOT (static_graph.py).
 CUDA graphs sit one level up, in `CudaGraphRunner`, which calls the layer (and so this backend)
-when it warms up and captures.
+when it warms up and captures. `num_calls` counts the calls into the translated function, so tests
+can tell that steps really run through SOT rather than only that SOT translated at startup.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ class GraphOptBackend:
         self.graph_opt_level = graph_opt_level
         dynamic = type(layer).dynamic_forward
         self._forward = to_static(layer, dynamic, graph_opt_level) if graph_opt_level >= 1 else types.MethodType(dynamic, layer)
+        self.num_calls = 0  # calls into the translated function (level >= 1)
 
     def __call__(self, **kwargs):
+        if self.graph_opt_level >= 1:
+            self.num_calls += 1
         return self._forward(**kwargs)

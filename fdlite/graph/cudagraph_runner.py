@@ -7,16 +7,18 @@ so one captured graph serves every split of the same token count (the seed's "la
 out garbled" bug was a graph captured for one split and replayed for another). Captures use the
 seed's worst-case split anyway, and the verify step replays each graph on a different split.
 
-Buffers are allocated once at the largest size and written in place (`paddle.assign` into slices)
-every step, so their addresses never change: the invariant CUDA graphs rely on. Padded tokens read
-and write only the scratch block at the end of the KV cache.
+The graphs read the runner's persistent input buffers (`runner/forward_buffers.py`), the same
+tensors eager steps use, written in place every step, so their addresses never change: the
+invariant CUDA graphs rely on. Padded tokens read and write only the scratch block at the end of
+the KV cache.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from collections import Counter
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import paddle
@@ -25,49 +27,19 @@ from fdlite.graph.cuda import CudaGraph, cuda_graphs_available
 from fdlite.graph.eager_replay import EagerReplayGraph
 from fdlite.graph.capture_sizes import padded_size, worst_case_prefill_split
 from fdlite.graph.static_graph import translation_count
-from fdlite.ops.forward_meta import ForwardMeta
-from fdlite.runner.input_batch import HostBatch
+from fdlite.ops.forward_meta import FlatBatch
+
+if TYPE_CHECKING:  # graph/ does not import the runner: it is handed the buffers
+    from fdlite.runner.forward_buffers import ForwardBuffers
 
 logger = logging.getLogger("fdlite")
-
-
-class StaticBuffers:
-    """The graph-visible inputs, allocated once at the largest captured size."""
-
-    def __init__(self, max_tokens: int, max_blocks: int):
-        self.input_ids = paddle.zeros([max_tokens], dtype="int64")
-        self.positions = paddle.zeros([max_tokens], dtype="int64")
-        self.slot_mapping = paddle.zeros([max_tokens], dtype="int64")
-        self.block_tables = paddle.zeros([max_tokens, max_blocks], dtype="int64")
-        self.seq_lens_kv = paddle.zeros([max_tokens], dtype="int32")
-        self.seq_lens_this_time = paddle.ones([max_tokens], dtype="int32")
-        self.max_blocks = max_blocks
-
-    def tensors(self) -> dict[str, paddle.Tensor]:
-        return {k: v for k, v in vars(self).items() if isinstance(v, paddle.Tensor)}
-
-    def write(self, batch: HostBatch, size: int, scratch_block: int, block_size: int) -> None:
-        """Copy `batch` into the first `size` rows in place; rows past the batch are padding."""
-        t = batch.num_tokens
-        ids = np.zeros(size, np.int64)
-        pos = np.zeros(size, np.int64)
-        slots = np.full(size, scratch_block * block_size, np.int64)
-        tables = np.full((size, self.max_blocks), scratch_block, np.int64)
-        ids[:t], pos[:t], slots[:t] = batch.input_ids, batch.positions, batch.slot_mapping
-        width = min(batch.block_tables.shape[1], self.max_blocks)
-        tables[:t, :width] = batch.block_tables[batch.token_rows, :width]
-        kv = np.ones(size, np.int32)  # a padded token sees the scratch slot alone
-        kv[:t] = pos[:t] + 1
-        for buf, host in ((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots),
-                          (self.block_tables, tables), (self.seq_lens_kv, kv)):
-            paddle.assign(paddle.to_tensor(host, place=buf.place), output=buf[:size])
 
 
 class CudaGraphRunner:
     """Captured graphs of `model_layer` for each size in `sizes` (decode: batch sizes; prefill: token counts)."""
 
-    def __init__(self, model_layer, kv_cache, sizes: list[int], prefill: bool, max_num_seqs: int,
-                 max_blocks: int, graph_factory: Callable[[], object]):
+    def __init__(self, model_layer, kv_cache, buffers: "ForwardBuffers", sizes: list[int], prefill: bool,
+                 max_num_seqs: int, graph_factory: Callable[[], object]):
         self.model_layer = model_layer
         self.kv_cache = kv_cache
         self.sizes = sorted(sizes)
@@ -76,26 +48,24 @@ class CudaGraphRunner:
         self.block_size = kv_cache.block_size
         self.scratch_block = kv_cache.num_blocks
         self.graph_factory = graph_factory
-        self.buffers = StaticBuffers(max(self.sizes), max_blocks)
+        self.buffers = buffers
+        buffers.set_scratch_block(self.scratch_block)
         self.graphs: dict[int, object] = {}
-        self.num_replays = 0
+        self.replays_by_size: Counter[tuple[int, int]] = Counter()  # (graph size, batch tokens) -> replays
 
     # ---- capture -------------------------------------------------------------------------
 
-    def _meta(self, size: int) -> ForwardMeta:
-        b = self.buffers
-        return ForwardMeta(seq_lens_this_time=b.seq_lens_this_time[:size], seq_lens_kv=b.seq_lens_kv[:size],
-                           block_tables=b.block_tables[:size], slot_mapping=b.slot_mapping[:size],
-                           num_decodes=size, prefills=[], block_size=self.block_size, caches=self.kv_cache.caches)
-
     def _forward(self, size: int, dynamic: bool = False) -> paddle.Tensor:
-        b = self.buffers
-        kwargs = dict(ids_remove_padding=b.input_ids[:size], positions=b.positions[:size], forward_meta=self._meta(size))
+        ids, positions, meta = self.buffers.graph_views(size, not self.prefill, self.kv_cache.caches)
+        kwargs = dict(ids_remove_padding=ids, positions=positions, forward_meta=meta)
         if dynamic:  # the eager reference for verification, whatever backend is attached
             return type(self.model_layer).dynamic_forward(self.model_layer, **kwargs)
         return self.model_layer(**kwargs)
 
-    def dummy_batch(self, size: int, seed: int, worst_case: bool) -> HostBatch:
+    def _write(self, batch: FlatBatch, size: int) -> None:
+        self.buffers.write_padded(batch, size, decode=not self.prefill)
+
+    def dummy_batch(self, size: int, seed: int, worst_case: bool) -> FlatBatch:
         """A batch of `size` tokens with distinct cache slots (so replays are deterministic).
 
         worst_case: the seed's capture split (rows of one token and one long row); otherwise a
@@ -130,12 +100,16 @@ class CudaGraphRunner:
             rows_of.append(np.full(n, r))
             tables.append(table)
         width = max(len(t) for t in tables)
-        table_arr = np.zeros((len(tables), width), np.int64)
+        table_arr = np.zeros((len(tables), width), np.int32)
         for r, t in enumerate(tables):
             table_arr[r, : len(t)] = t
-        return HostBatch(np.concatenate(ids).astype(np.int64), np.concatenate(pos).astype(np.int64),
-                         np.concatenate(slots).astype(np.int64), np.concatenate(rows_of).astype(np.int64),
-                         table_arr, 0 if self.prefill else size)
+        positions = np.concatenate(pos).astype(np.int64)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        return FlatBatch(input_ids=np.concatenate(ids).astype(np.int64), positions=positions,
+                         slot_mapping=np.concatenate(slots).astype(np.int64),
+                         token_rows=np.concatenate(rows_of).astype(np.int64), block_tables=table_arr,
+                         seq_lens_kv=(positions[cu[1:] - 1] + 1).astype(np.int32), cu_seqlens_q=cu,
+                         logits_indices=np.zeros(0, np.int64), num_decodes=0 if self.prefill else size)
 
     def capture_all(self, recorder=None, verify: bool = True, tolerance: float = 1e-4) -> None:
         """Capture every size, largest first (one shared memory pool), each after an eager warm-up.
@@ -144,14 +118,14 @@ class CudaGraphRunner:
         count is recorded as a "sot_translate" event.
         """
         for size in sorted(self.sizes, reverse=True):
-            self.buffers.write(self.dummy_batch(size, seed=size, worst_case=True), size, self.scratch_block, self.block_size)
+            self._write(self.dummy_batch(size, seed=size, worst_case=True), size)
             before = translation_count()
             self._forward(size)  # warm-up: lazy initialisation and SOT translation happen here
             translated = translation_count() - before
             if recorder is not None and translated:
                 recorder.point("sot_translate", size=size, count=translated)
             graph = self.graph_factory()
-            graph.capture(lambda s=size: self._forward(s))
+            graph.capture(lambda s=size: self._forward(s), static_inputs=self.buffers.tensors)
             self.graphs[size] = graph
             if recorder is not None:
                 recorder.point("cudagraph_captured", size=size)
@@ -163,7 +137,7 @@ class CudaGraphRunner:
     def verify(self, size: int, tolerance: float) -> None:
         """Replay the graph of `size` on new inputs (another split) and compare with the eager forward."""
         batch = self.dummy_batch(size, seed=10_000 + size, worst_case=False)
-        self.buffers.write(batch, size, self.scratch_block, self.block_size)
+        self._write(batch, size)
         got = self.graphs[size].replay().astype("float32").numpy()
         want = self._forward(size, dynamic=True).astype("float32").numpy()
         err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
@@ -176,7 +150,16 @@ class CudaGraphRunner:
 
     # ---- replay --------------------------------------------------------------------------
 
-    def size_for(self, batch: HostBatch) -> int | None:
+    @property
+    def num_replays(self) -> int:
+        return sum(self.replays_by_size.values())
+
+    @property
+    def num_padded_replays(self) -> int:
+        """Replays of a batch smaller than its graph (padded rows ran too)."""
+        return sum(n for (size, tokens), n in self.replays_by_size.items() if tokens < size)
+
+    def size_for(self, batch: FlatBatch) -> int | None:
         """The captured size this batch runs in, or None to run it eagerly."""
         if not self.graphs:
             return None
@@ -186,10 +169,10 @@ class CudaGraphRunner:
             fits = batch.num_decodes == batch.num_rows  # decode-only
         return padded_size(self.sizes, batch.num_tokens) if fits else None
 
-    def run(self, batch: HostBatch, size: int) -> paddle.Tensor:
+    def run(self, batch: FlatBatch, size: int) -> paddle.Tensor:
         """Write the batch into the buffers, replay the graph of `size`, return hidden states [T, hidden]."""
-        self.buffers.write(batch, size, self.scratch_block, self.block_size)
-        self.num_replays += 1
+        self._write(batch, size)
+        self.replays_by_size[size, batch.num_tokens] += 1
         return self.graphs[size].replay()[: batch.num_tokens]
 
 

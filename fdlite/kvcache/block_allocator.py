@@ -59,13 +59,14 @@ class BlockAllocator:
     def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
         return blocks_for(num_tokens, self.block_size) - len(block_table) <= self.num_free_blocks
 
-    def grow(self, block_table: list[int], num_tokens: int) -> None:
-        """Append blocks to `block_table` until it holds `num_tokens` tokens."""
+    def grow(self, block_table: list[int], num_tokens: int) -> int:
+        """Append blocks to `block_table` until it holds `num_tokens` tokens; return how many were added."""
         need = blocks_for(num_tokens, self.block_size) - len(block_table)
         if need > self.num_free_blocks:
             raise RuntimeError(f"KV cache out of blocks: need {need}, {self.num_free_blocks} free")
         for _ in range(need):
             block_table.append(self._take_free_block())
+        return max(need, 0)
 
     def free(self, block_table: list[int]) -> None:
         """Let go of a finished or preempted sequence's blocks and empty its table.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
-from fdlite.ops.allreduce.communicator import tensor_parallel_all_reduce
+from fdlite.distributed.communicator import tensor_parallel_all_reduce
 
 
 class Linear(nn.Layer):

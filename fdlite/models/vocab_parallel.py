@@ -15,7 +15,7 @@ from paddle import nn
 
 from fdlite.models.parallel_linear import Linear
 from fdlite.models.tp_partition import TPPartition
-from fdlite.ops.allreduce.communicator import get_communicator, tensor_parallel_all_reduce
+from fdlite.distributed.communicator import get_communicator, tensor_parallel_all_reduce
 
 
 class VocabParallelEmbedding(nn.Layer):

@@ -10,7 +10,10 @@ flat rows of head_dim; the row indices are computed once per step and shared by 
 
 Decode rows are batched: one gather of [rows, max_blocks * block_size] slots and a masked softmax.
 Prefill rows are done one at a time with a causal mask offset by the cached prefix length; a step
-holds few of them (the token budget bounds their total size).
+holds few of them (the token budget bounds their total size). Inside a captured graph
+(`meta.prefills is None`) there is no host structure to loop over: every token is its own query
+row, reading its row's blocks (`token_rows`) up to its own position, so one graph serves every
+split of its token count.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ def _rows(blocks: paddle.Tensor, kvh: int, block_size: int) -> paddle.Tensor:
 
     Row of (block b, head h, offset o) in the cache viewed as [-1, head_dim] is (b * kvh + h) * bs + o.
     """
-    heads = paddle.arange(kvh, dtype=blocks.dtype).reshape([kvh, 1, 1])
-    offs = paddle.arange(block_size, dtype=blocks.dtype)
+    blocks = blocks.astype("int64")
+    heads = paddle.arange(kvh, dtype="int64").reshape([kvh, 1, 1])
+    offs = paddle.arange(block_size, dtype="int64")
     rows = (blocks.unsqueeze(-2).unsqueeze(-1) * kvh + heads) * block_size + offs  # [..., kvh, nb, bs]
     return rows.flatten(start_axis=-2)
 
@@ -78,6 +82,21 @@ def decode_attention(q, k_cache, v_cache, meta: ForwardMeta, n: int, scale: floa
     return out.reshape([n, h, d])
 
 
+def token_attention(q, k_cache, v_cache, meta: ForwardMeta, scale: float) -> paddle.Tensor:
+    """Graph mode: q [T, h, d], each token attending to its row's positions <= its own -> [T, h, d]."""
+    t, h, d = q.shape
+    kvh = k_cache.shape[1]
+    tables = _memo(meta, "token_tables", lambda: paddle.gather(meta.block_tables, meta.token_rows))  # [T, width]
+    rows = _memo(meta, ("token", kvh), lambda: _rows(tables, kvh, meta.block_size).flatten())
+    L = rows.shape[0] // (t * kvh)
+    k = paddle.gather(k_cache.reshape([-1, d]), rows).reshape([t, kvh, L, d])
+    v = paddle.gather(v_cache.reshape([-1, d]), rows).reshape([t, kvh, L, d])
+    qg = q.reshape([t, kvh, h // kvh, d])
+    valid = paddle.arange(L, dtype="int64").unsqueeze(0) <= meta.positions.unsqueeze(1)  # [T, L]
+    out = _softmax_attend(qg, k, v, valid.reshape([t, 1, 1, L]), scale)
+    return out.reshape([t, h, d])
+
+
 def prefill_attention(q, k_cache, v_cache, meta: ForwardMeta, span, scale: float) -> paddle.Tensor:
     """q [q_len, h, d] of one row whose K/V are already in the cache -> [q_len, h, d]."""
     n, h, d = q.shape
@@ -103,6 +122,9 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: ForwardMeta, scale: float) 
     """q [T, h, d], k/v [T, kvh, d] for the flat batch -> attention output [T, h * d]."""
     write_kv(k_cache, meta, k)
     write_kv(v_cache, meta, v)
+    if meta.prefills is None:
+        out = token_attention(q, k_cache, v_cache, meta, scale)
+        return out.reshape([out.shape[0], -1])
     parts = []
     if meta.num_decodes:
         parts.append(decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, meta.num_decodes, scale))

@@ -1,14 +1,19 @@
 """`ForwardMeta`: how one flat token batch splits into sequences and where their KV lives.
 
-FastDeploy's name for the same idea. The runner fills it, attention reads it. Rows are ordered
-decodes first (one token each), then prefills (a prompt or a chunk of one), so the decode rows form
-one dense block that batched kernels (and CUDA graphs) can take whole.
+FastDeploy's name for the same idea. The runner fills it from its persistent buffers, attention
+reads it. Rows are ordered decodes first (one token each), then prefills (a prompt or a chunk of
+one), so the decode rows form one dense block that batched kernels (and CUDA graphs) can take whole.
+
+The tensors are what a fused kernel needs (`cu_seqlens_q`, `seq_lens_kv`, `block_tables`,
+`slot_mapping`). `prefills` is host-side detail for the CPU reference attention's per-row loop; it
+is None inside a captured graph, where attention must read tensors only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import paddle
 
 
@@ -21,15 +26,41 @@ class PrefillSpan:
 
 
 @dataclass
-class ForwardMeta:
-    seq_lens_this_time: paddle.Tensor  # [batch] int32: query tokens per row
-    seq_lens_kv: paddle.Tensor         # [batch] int32: KV length per row after this step
-    block_tables: paddle.Tensor        # [batch, max_blocks] int64
-    slot_mapping: paddle.Tensor        # [tokens] int64: cache slot written by each token
-    num_decodes: int                   # rows [0, num_decodes) are single-token decodes
+class FlatBatch:
+    """One step's flat token batch on the host (FastDeploy's names); the runner copies it into `ForwardMeta`'s tensors."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64: cache slot written by each token
+    token_rows: np.ndarray  # [T] int64: the row of each token
+    block_tables: np.ndarray  # [rows, width] int32
+    seq_lens_kv: np.ndarray  # [rows] int32: KV length of each row after this step
+    cu_seqlens_q: np.ndarray  # [rows + 1] int32: row r's tokens are [cu[r], cu[r + 1])
+    logits_indices: np.ndarray  # [sampled rows] int64: last token of each row that samples
+    num_decodes: int  # rows [0, num_decodes) compute one token each
     prefills: list[PrefillSpan] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_lens_kv)
+
+
+@dataclass
+class ForwardMeta:
+    slot_mapping: paddle.Tensor        # [tokens] int64: cache slot written by each token
+    token_rows: paddle.Tensor          # [tokens] int64: row of each token
+    positions: paddle.Tensor           # [tokens] int64
+    block_tables: paddle.Tensor        # [rows, width] int32
+    seq_lens_kv: paddle.Tensor         # [rows] int32: KV length per row after this step
+    cu_seqlens_q: paddle.Tensor        # [rows + 1] int32: row r's tokens are [cu[r], cu[r + 1])
+    num_decodes: int                   # rows [0, num_decodes) are single-token decodes
     block_size: int = 64
-    # Per-layer (k_cache, v_cache), each [num_blocks + 1, kv_heads, block_size, head_dim]; set by the runner.
+    prefills: list[PrefillSpan] | None = field(default_factory=list)  # None: graph mode (tensors only)
+    # Per-layer (k_cache, v_cache), each [num_blocks + 1, kv_heads, block_size, head_dim].
     caches: list[tuple[paddle.Tensor, paddle.Tensor]] = field(default_factory=list)
     # Cache row indices derived once per step and shared by every layer (see ops/attention.py).
     derived: dict = field(default_factory=dict, repr=False)

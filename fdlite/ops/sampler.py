@@ -1,42 +1,75 @@
-"""Batch token sampler on Paddle tensors (CPU or GPU), vectorised over the batch.
+"""Batch token sampler over per-row parameter arrays (`SamplingBatch`), vectorised over rows.
 
 Order of operations follows vLLM:
-  (a) raw logprobs = log_softmax(logits), reported to the user (vLLM v1's default "raw" logprobs);
-  (b) min_tokens: eos / stop token ids masked while the output is too short;
-  (c) repetition, frequency and presence penalties;
+  (a) raw logprobs = log_softmax(logits), only for rows that ask for logprobs;
+  (b) min_tokens: eos / stop token ids masked while the output is too short (`banned`);
+  (c) repetition, frequency and presence penalties, from per-slot token counts the batch keeps
+      incrementally (never re-binned from token lists);
   (d) greedy rows: argmax;
-  (e) other rows: temperature, top-k, top-p, min-p, then the exponential race
-      argmax(probs / q), q ~ Exp(1) drawn from the row's own numpy generator, so a seeded request
-      gets the same tokens whatever else shares its batch.
+  (e) other rows: temperature, top-k, min-p, then inverse-CDF sampling with top-p by rejection.
 
-Per step, the only Python/numpy work that grows with the vocabulary is the noise draw of the
-non-greedy rows; everything else is O(batch + tokens in the penalised sequences) on the host.
+Why rejection for top-p: the nucleus is "the most likely tokens whose mass before them is below
+top_p", which a sort finds in O(V log V) per row (seconds per step at a 150k vocabulary on CPU).
+Instead a token t is drawn from the whole (filtered) distribution and kept if the mass of the
+tokens more likely than t is below top_p; otherwise every token no more likely than t is dropped
+and the row draws again. Conditioned on acceptance each draw is distributed as the nucleus, so the
+result is exact, and a row needs few rounds (the first draw already lands in the nucleus with
+probability top_p). The uniforms come from `ops/random.py`: a function of (sequence seed,
+position, round), so a seeded row samples the same tokens whatever shares its batch.
+
+On CPU the logits are host memory, so the work is numpy on a zero-copy view (Paddle's CPU kernels
+are several times slower at these sizes). The GPU implementation is a fdlite CUDA kernel with the
+same contract.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Sequence
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
+from fdlite.ops.random import sequence_seed, uniforms
 from fdlite.outputs import Logprob
 from fdlite.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+_CHUNK = 1024  # inverse CDF: sums per chunk first, then a cumsum inside one chunk
+_MAX_ROUNDS = 64
+_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass
-class SamplingRow:
-    """One sequence to sample a token for in this step."""
+class SamplingBatch:
+    """Sampling parameters of the rows that sample this step, one entry per logits row."""
 
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    generator: np.random.Generator  # per sequence, see make_generator
+    temperature: np.ndarray  # float32; 0 = greedy
+    top_k: np.ndarray  # int64; 0 (or >= vocab) = off
+    top_p: np.ndarray  # float32; 1 = off
+    min_p: np.ndarray  # float32; 0 = off
+    seeds: np.ndarray  # uint64: the sequence's seed (ops/random.py)
+    positions: np.ndarray  # int64: position of the token being sampled
+    num_logprobs: np.ndarray  # int64; -1 = no logprobs
+    # (rows, token ids) set to -inf: stop tokens of rows still short of min_tokens.
+    banned_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    banned_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # Penalties, for the rows `penalty_rows` only (None when no row has any).
+    penalty_rows: np.ndarray | None = None
+    repetition_penalty: np.ndarray | None = None  # [P] float32
+    frequency_penalty: np.ndarray | None = None
+    presence_penalty: np.ndarray | None = None
+    output_counts: np.ndarray | None = None  # [P, vocab] float32: occurrences in the output so far
+    prompt_seen: np.ndarray | None = None  # [P, vocab] bool: occurs in the prompt
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.temperature)
+
+    def logprob_rows(self) -> list[int]:
+        """Rows that asked for logprobs."""
+        return np.nonzero(self.num_logprobs >= 0)[0].tolist()
 
 
 @dataclass
@@ -44,287 +77,292 @@ class SamplerOutput:
     """Result of one sampling step, one entry per row."""
 
     token_ids: list[int]
-    sampled_logprobs: list[float]  # logprob of each sampled token under the raw distribution
-    # Per row: top-`params.logprobs` tokens plus the sampled one, with ranks; None when not asked.
+    # Per row: the raw logprob of the sampled token, None for rows that did not ask for logprobs.
+    sampled_logprobs: list[float | None]
+    # Per row: top-`logprobs` tokens plus the sampled one, with ranks; None when not asked.
     logprobs: list[dict[int, Logprob] | None]
 
 
-def make_generator(seed: int | None, child_index: int, fallback: np.random.Generator) -> np.random.Generator:
-    """Random source for one sequence: completion `child_index` of a request with `seed`.
+@dataclass
+class SamplingRow:
+    """One row described by its request (tests and tools; the engine builds `SamplingBatch` from slots)."""
 
-    Seeded: depends only on (seed, child_index), so results are reproducible and the n
-    completions of a request differ. Unseeded: an independent stream spawned from `fallback`.
-    """
-    if seed is None:
-        return fallback.spawn(1)[0]
-    # SeedSequence wants non-negative entropy; fold negative seeds into uint64 range.
-    return np.random.default_rng([seed % 2**64, child_index])
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    seed: int
 
 
-class Sampler:
-    """Picks the next token of every row of a batch of logits `[batch, vocab]`."""
-
-    @paddle.no_grad()
-    def __call__(self, logits: paddle.Tensor, rows: list[SamplingRow], eos_token_ids: set[int]) -> SamplerOutput:
-        """Sample one token per row; see the module docstring for the order of operations."""
-        logits = _as_float32(logits, rows)
-        if _plain_greedy(rows):
-            # Fast path: nothing changes the logits and nothing but the sampled logprob is reported.
-            tokens = paddle.argmax(logits, axis=-1)
-            picked = paddle.take_along_axis(logits, tokens.unsqueeze(1), axis=1).squeeze(1)
-            sampled_lp = picked - paddle.logsumexp(logits, axis=-1)
-            return SamplerOutput(tokens.tolist(), sampled_lp.tolist(), [None] * len(rows))
-
-        raw_logprobs = _log_softmax(logits)
-        processed = self._adjust(logits, rows, eos_token_ids)
-        # Greedy rows keep this argmax; the random rows are overwritten below.
-        tokens = paddle.argmax(processed, axis=-1)
-        rand = _random_rows(rows)
-        if rand:
-            probs = self._filtered_probs(processed, rows, rand)
-            noise = np.stack([rows[i].generator.standard_exponential(probs.shape[1], dtype=np.float32) for i in rand])
-            # Clip guards the (measure-zero, but float32-possible) q == 0 against inf / nan.
-            q = paddle.clip(paddle.to_tensor(noise, place=logits.place), min=1e-20)
-            drawn = paddle.argmax(probs / q, axis=-1)
-            tokens = paddle.scatter(tokens, _index(rand, logits), drawn, overwrite=True)
-
-        sampled_lp = paddle.take_along_axis(raw_logprobs, tokens.unsqueeze(1), axis=1).squeeze(1)
-        token_list = tokens.tolist()
-        sampled_list = sampled_lp.tolist()
-        return SamplerOutput(token_list, sampled_list, _logprob_dicts(raw_logprobs, sampled_lp, token_list, rows))
-
-    @paddle.no_grad()
-    def probs(self, logits: paddle.Tensor, rows: list[SamplingRow], eos_token_ids: set[int]) -> paddle.Tensor:
-        """The distribution each row is sampled from, `[batch, vocab]` float32.
-
-        Greedy rows are one-hot at their argmax. For tests and debugging; `__call__` does not use it.
-        """
-        logits = _as_float32(logits, rows)
-        processed = self._adjust(logits, rows, eos_token_ids)
-        out = F.one_hot(paddle.argmax(processed, axis=-1), processed.shape[1]).astype("float32")
-        rand = _random_rows(rows)
-        if rand:
-            out = paddle.scatter(out, _index(rand, logits), self._filtered_probs(processed, rows, rand), overwrite=True)
-        return out
-
-    @staticmethod
-    def _adjust(logits: paddle.Tensor, rows: list[SamplingRow], eos_token_ids: set[int]) -> paddle.Tensor:
-        """Steps (b) and (c): min_tokens masking, then penalties."""
-        return apply_penalties(apply_min_tokens(logits, rows, eos_token_ids), rows)
-
-    @staticmethod
-    def _filtered_probs(processed: paddle.Tensor, rows: list[SamplingRow], rand: list[int]) -> paddle.Tensor:
-        """Step (e) up to the draw, for the rows `rand`: temperature, top-k, top-p, min-p, softmax."""
-        sub = paddle.gather(processed, _index(rand, processed), axis=0)
-        temps = [rows[i].params.temperature for i in rand]
-        sub = sub / paddle.to_tensor(temps, dtype="float32", place=sub.place).unsqueeze(1)
-        sub = apply_top_k_top_p_min_p(
-            sub,
-            [rows[i].params.top_k for i in rand],
-            [rows[i].params.top_p for i in rand],
-            [rows[i].params.min_p for i in rand],
-        )
-        return _softmax(sub)
+def rows_to_batch(rows: list[SamplingRow], eos_token_ids: set[int], vocab: int) -> SamplingBatch:
+    """A `SamplingBatch` from per-row descriptions (counts binned from the token lists)."""
+    ps = [r.params for r in rows]
+    batch = SamplingBatch(
+        temperature=np.asarray([0.0 if p.is_greedy else p.temperature for p in ps], np.float32),
+        top_k=np.asarray([p.top_k for p in ps], np.int64),
+        top_p=np.asarray([p.top_p for p in ps], np.float32),
+        min_p=np.asarray([p.min_p for p in ps], np.float32),
+        seeds=np.asarray([r.seed for r in rows], np.uint64),
+        positions=np.asarray([len(r.prompt_token_ids) + len(r.output_token_ids) for r in rows], np.int64),
+        num_logprobs=np.asarray([-1 if p.logprobs is None else p.logprobs for p in ps], np.int64),
+    )
+    banned = [(i, t) for i, r in enumerate(rows) for t in stop_tokens_while_short(r.params, len(r.output_token_ids),
+                                                                                  eos_token_ids, vocab)]
+    if banned:
+        batch.banned_rows, batch.banned_tokens = (np.asarray(a, np.int64) for a in zip(*banned))
+    pen = [i for i, p in enumerate(ps) if p.has_penalties]
+    if pen:
+        batch.penalty_rows = np.asarray(pen, np.int64)
+        batch.repetition_penalty = np.asarray([ps[i].repetition_penalty for i in pen], np.float32)
+        batch.frequency_penalty = np.asarray([ps[i].frequency_penalty for i in pen], np.float32)
+        batch.presence_penalty = np.asarray([ps[i].presence_penalty for i in pen], np.float32)
+        batch.output_counts = np.stack([token_counts(rows[i].output_token_ids, vocab) for i in pen])
+        batch.prompt_seen = np.stack([token_counts(rows[i].prompt_token_ids, vocab) > 0 for i in pen])
+    return batch
 
 
-# --- steps, usable on their own (the tests compare them with a numpy reference) ----------------
-
-
-def apply_min_tokens(logits: paddle.Tensor, rows: list[SamplingRow], eos_token_ids: set[int]) -> paddle.Tensor:
-    """Set stop tokens to -inf for rows whose output is shorter than `params.min_tokens`.
+def stop_tokens_while_short(params: SamplingParams, num_output: int, eos_token_ids: set[int], vocab: int) -> list[int]:
+    """Token ids masked for a row whose output is still shorter than `min_tokens`.
 
     Stop tokens are `params.stop_token_ids` plus `eos_token_ids` unless `ignore_eos` (as vLLM:
     with ignore_eos EOS does not end the sequence, so there is nothing to hold back).
     """
-    vocab = logits.shape[1]
-    row_ids: list[int] = []
-    tok_ids: list[int] = []
-    for i, row in enumerate(rows):
-        p = row.params
-        if len(row.output_token_ids) >= p.min_tokens:
-            continue
-        stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
-        for t in stops:
-            if 0 <= t < vocab:
-                row_ids.append(i)
-                tok_ids.append(t)
-    if not row_ids:
-        return logits
-    mask = _bincount_2d(logits, np.asarray(row_ids), np.asarray(tok_ids)) > 0
-    return paddle.masked_fill(logits, mask, _NEG_INF)
+    if num_output >= params.min_tokens:
+        return []
+    stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))
+    return sorted(t for t in stops if 0 <= t < vocab)
 
 
-def apply_penalties(logits: paddle.Tensor, rows: list[SamplingRow]) -> paddle.Tensor:
-    """Repetition penalty over prompt + output tokens; frequency and presence over output only.
+def token_counts(token_ids, vocab: int) -> np.ndarray:
+    """Occurrences of each id in [0, vocab) (ids outside, e.g. added tokens, cannot be penalised)."""
+    ids = np.asarray(token_ids, np.int64).reshape(-1)
+    ids = ids[(ids >= 0) & (ids < vocab)]
+    return np.bincount(ids, minlength=vocab).astype(np.float32)
 
-    Same formulas as vLLM: a seen token's logit is divided by `repetition_penalty` when positive,
-    multiplied when negative; then `logit -= frequency * count_in_output + presence * (count > 0)`.
+
+def make_generator(seed: int | None, child_index: int, fallback: np.random.Generator) -> int:
+    """Kept name: the 64-bit seed of one completion (see `ops.random.sequence_seed`)."""
+    return sequence_seed(seed, child_index, fallback)
+
+
+class Sampler:
+    """Picks the next token of every row of a batch of logits `[rows, vocab]`."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    @paddle.no_grad()
+    def __call__(self, logits: paddle.Tensor, batch: SamplingBatch | list[SamplingRow],
+                 eos_token_ids: set[int] | None = None) -> SamplerOutput:
+        """Sample one token per row; see the module docstring for the order of operations."""
+        x = _host_logits(logits, batch)
+        if not isinstance(batch, SamplingBatch):
+            batch = rows_to_batch(batch, eos_token_ids or set(), x.shape[1])
+        processed = adjust_logits(x, batch)
+        tokens = np.empty(batch.num_rows, np.int64)
+        greedy = batch.temperature <= 0.0
+        if greedy.all():
+            return _output(x, processed.argmax(axis=1), batch)
+        if greedy.any():
+            tokens[greedy] = processed[greedy].argmax(axis=1)
+        rand = np.nonzero(~greedy)[0]
+        if len(rand):
+            tokens[rand] = self._draw_rows(processed, rand, batch)
+        return _output(x, tokens, batch)
+
+    def _draw_rows(self, processed: np.ndarray, rand: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+        """`_draw` over row chunks in threads (numpy releases the GIL; rows are independent, so the
+        result does not depend on the split)."""
+        chunks = np.array_split(rand, max(1, min(_THREADS, len(rand) // 8)))
+        if len(chunks) == 1:
+            sub = processed if len(rand) == len(processed) else processed[rand]
+            return _draw(sub, _take(batch, rand))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="fdlite-sampler")
+        parts = self._pool.map(lambda rows: _draw(processed[rows], _take(batch, rows)), chunks)
+        return np.concatenate(list(parts))
+
+    @paddle.no_grad()
+    def probs(self, logits: paddle.Tensor, batch: SamplingBatch | list[SamplingRow],
+              eos_token_ids: set[int] | None = None) -> paddle.Tensor:
+        """The distribution each row is sampled from, `[rows, vocab]` float32; greedy rows one-hot.
+
+        For tests: the same weights and the same nucleus predicate as the draw, evaluated for every
+        token at once (with a sort) instead of by rejection.
+        """
+        x = _host_logits(logits, batch)
+        if not isinstance(batch, SamplingBatch):
+            batch = rows_to_batch(batch, eos_token_ids or set(), x.shape[1])
+        processed = adjust_logits(x, batch)
+        out = np.zeros(processed.shape, np.float64)
+        greedy = batch.temperature <= 0.0
+        out[np.nonzero(greedy)[0], processed[greedy].argmax(axis=1)] = 1.0
+        rand = np.nonzero(~greedy)[0]
+        if len(rand):
+            sub = _take(batch, rand)
+            w, nucleus_mass = filtered_weights(processed[rand], sub)
+            w = w.astype(np.float64)
+            order = np.argsort(-w, axis=1, kind="stable")
+            sorted_w = np.take_along_axis(w, order, axis=1)
+            before = np.cumsum(sorted_w, axis=1) - sorted_w  # mass strictly before each token
+            keep_sorted = before < sub.top_p[:, None].astype(np.float64) * nucleus_mass[:, None]
+            keep = np.zeros_like(keep_sorted)
+            np.put_along_axis(keep, order, keep_sorted, axis=1)
+            w = np.where(keep, w, 0.0)
+            out[rand] = w / w.sum(axis=1, keepdims=True)
+        return paddle.to_tensor(out.astype(np.float32))
+
+
+# --- steps, usable on their own ------------------------------------------------------------------
+
+
+def adjust_logits(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    """Steps (b) and (c) on a copy of the affected logits: min_tokens masking, then penalties."""
+    if not len(batch.banned_rows) and batch.penalty_rows is None:
+        return x
+    x = x.copy()
+    if batch.penalty_rows is not None:
+        x[batch.penalty_rows] = apply_penalties(x[batch.penalty_rows], batch)
+    if len(batch.banned_rows):
+        x[batch.banned_rows, batch.banned_tokens] = _NEG_INF
+    return x
+
+
+def apply_penalties(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    """Penalties on the rows `batch.penalty_rows` (x holds those rows only).
+
+    Same formulas as vLLM: a token seen in prompt or output has its logit divided by
+    `repetition_penalty` when positive, multiplied when negative; then
+    `logit -= frequency * count_in_output + presence * (count > 0)`.
     """
-    active = [i for i, r in enumerate(rows) if r.params.has_penalties]
-    if not active:
-        return logits
-    vocab = logits.shape[1]
-    out_rows, out_toks, prompt_rows, prompt_toks = [], [], [], []
-    for i in active:
-        row = rows[i]
-        toks = np.asarray(row.output_token_ids, dtype=np.int64).reshape(-1)
-        out_rows.append(np.full(toks.shape, i, dtype=np.int64))
-        out_toks.append(toks)
-        if row.params.repetition_penalty != 1.0:  # only repetition looks at the prompt
-            toks = np.asarray(row.prompt_token_ids, dtype=np.int64).reshape(-1)
-            prompt_rows.append(np.full(toks.shape, i, dtype=np.int64))
-            prompt_toks.append(toks)
-    out_counts = _bincount_2d(logits, *_cat(out_rows, out_toks, vocab))
-    prompt_counts = _bincount_2d(logits, *_cat(prompt_rows, prompt_toks, vocab))
-
-    def per_row(name: str) -> paddle.Tensor:
-        values = [float(getattr(r.params, name)) for r in rows]
-        return paddle.to_tensor(values, dtype="float32", place=logits.place).unsqueeze(1)
-
-    rep = per_row("repetition_penalty")
-    seen = (out_counts + prompt_counts) > 0
-    logits = paddle.where(seen, paddle.where(logits > 0, logits / rep, logits * rep), logits)
-    in_output = (out_counts > 0).astype("float32")
-    return logits - per_row("frequency_penalty") * out_counts - per_row("presence_penalty") * in_output
+    counts = batch.output_counts
+    rep = batch.repetition_penalty[:, None]
+    seen = (counts > 0) | batch.prompt_seen
+    x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+    return (x - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)).astype(np.float32)
 
 
-def apply_top_k_top_p_min_p(
-    logits: paddle.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
-) -> paddle.Tensor:
-    """Set filtered-out tokens to -inf; `logits` already divided by the temperature.
+def filtered_weights(x: np.ndarray, batch: SamplingBatch) -> tuple[np.ndarray, np.ndarray]:
+    """Unnormalised probabilities after temperature, top-k and min-p: exp((x - max) / T), the top token 1;
+    and each row's total weight after top-k, which top-p's nucleus is measured against.
 
     top-k keeps tokens whose logit is >= the k-th largest (ties at the boundary all survive);
-    top-p then keeps the smallest most-likely prefix of the top-k distribution whose mass reaches
-    p; min-p drops tokens with prob < min_p * max prob. Each step only raises a per-row logit
-    threshold: min-p depends only on the ratio to the top token, which top-k / top-p never remove
-    and renormalising does not change, so it can be folded in as `max_logit + log(min_p)`.
+    min-p drops tokens with prob < min_p * max prob, which is `weight < min_p` here. Top-p looks at
+    the top-k distribution (vLLM's order), and min-p only removes tokens less likely than any a
+    nucleus test can depend on, so applying min-p first changes nothing but the total.
     """
-    vocab = logits.shape[1]
-    place = logits.place
-    ks = [k if 0 < k < vocab else vocab for k in top_k]  # 0 / -1 / >= vocab: keep all
-    use_k = any(k < vocab for k in ks)
-    use_p = any(p < 1.0 for p in top_p)
-    use_min_p = any(m > 0.0 for m in min_p)
-    threshold = None  # [rows, 1]: tokens with a lower logit are dropped
+    w = x - x.max(axis=1, keepdims=True)
+    w *= (1.0 / batch.temperature)[:, None]
+    np.exp(w, out=w)
+    vocab = w.shape[1]
+    for i in np.nonzero((batch.top_k > 0) & (batch.top_k < vocab))[0]:
+        kth = np.partition(w[i], vocab - batch.top_k[i])[vocab - batch.top_k[i]]
+        w[i][w[i] < kth] = 0.0
+    nucleus_mass = w.sum(axis=1, dtype=np.float64) if (batch.top_p < 1.0).any() else np.ones(len(w))
+    mp = np.nonzero(batch.min_p > 0.0)[0]
+    if len(mp):
+        w[mp] = np.where(w[mp] < batch.min_p[mp, None], 0.0, w[mp])
+    return w, nucleus_mass
 
-    if use_p and any(p < 1.0 and k == vocab for p, k in zip(top_p, ks)):
-        sorted_logits = paddle.sort(logits, axis=-1, descending=True)
-    elif use_k or use_p:
-        # Every top-p row also has a top-k, and top-p only looks inside the top-k: a partial sort
-        # of the largest k is enough (a full sort of a 150k vocab is costly on CPU).
-        sorted_logits = paddle.topk(logits, max(ks), axis=-1)[0]
-    if use_k:
-        kth = paddle.take_along_axis(sorted_logits, _col([k - 1 for k in ks], "int64", place), axis=1)
-        threshold = kth
-    if use_p:
-        if use_k:
-            sorted_logits = paddle.masked_fill(sorted_logits, sorted_logits < kth, _NEG_INF)
-        sorted_probs = _softmax(sorted_logits)
-        # Mass strictly before each position; an exclusive cumsum is monotone, so the kept set is a
-        # prefix and always holds the top token (mass 0 < p).
-        cum = paddle.cumsum(sorted_probs, axis=-1)
-        mass_before = paddle.concat([paddle.zeros_like(cum[:, :1]), cum[:, :-1]], axis=1)
-        p = _col([p if p < 1.0 else math.inf for p in top_p], "float32", place)
-        n_keep = (mass_before < p).astype("int64").sum(axis=1, keepdim=True)
-        cutoff = paddle.take_along_axis(sorted_logits, n_keep - 1, axis=1)
-        # Rows without top-p: no cutoff (their `sorted_logits` may be truncated to the top-k).
-        cutoff = paddle.masked_fill(cutoff, paddle.isinf(p), _NEG_INF)
-        threshold = cutoff if threshold is None else paddle.maximum(threshold, cutoff)
-    if use_min_p:
-        log_min_p = _col([math.log(m) if m > 0.0 else _NEG_INF for m in min_p], "float32", place)
-        floor = logits.max(axis=1, keepdim=True) + log_min_p
-        threshold = floor if threshold is None else paddle.maximum(threshold, floor)
 
-    if threshold is None:
-        return logits
-    return paddle.masked_fill(logits, logits < threshold, _NEG_INF)
+def _draw(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    """Step (e): one token per row from the filtered distribution, top-p by rejection."""
+    w, nucleus_mass = filtered_weights(x, batch)
+    threshold = batch.top_p.astype(np.float64) * nucleus_mass
+    n = len(w)
+    tokens = np.empty(n, np.int64)
+    active = np.arange(n)
+    for round_ in range(_MAX_ROUNDS):
+        sub = w if len(active) == n else w[active]  # a copy only for the few rows drawing again
+        picked = _inverse_cdf(sub, uniforms(batch.seeds[active], batch.positions[active], round_))
+        tokens[active] = picked
+        nucleus = np.nonzero(batch.top_p[active] < 1.0)[0]
+        if not len(nucleus):
+            return tokens
+        sp = sub if len(nucleus) == len(sub) else sub[nucleus]
+        above = sp > sp[np.arange(len(nucleus)), picked[nucleus]][:, None]
+        mass_above = np.where(above, sp, 0.0).sum(axis=1)
+        rejected = mass_above >= threshold[active[nucleus]]
+        if not rejected.any():
+            return tokens
+        # Draw again among the tokens strictly more likely than the rejected one.
+        active = active[nucleus[rejected]]
+        w[active] = np.where(above[rejected], sp[rejected], 0.0)
+    # Not reached in practice (each round drops the drawn token and all below it); the most likely
+    # token is in every nucleus.
+    tokens[active] = w[active].argmax(axis=1)
+    return tokens
+
+
+def _inverse_cdf(w: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The token where each row's cumulative weight crosses u * total.
+
+    Sums per chunk of the vocabulary first, then a cumulative sum inside the one chunk that holds
+    the crossing, so no full-vocabulary cumsum is materialised.
+    """
+    n, vocab = w.shape
+    starts = np.arange(0, vocab, _CHUNK)
+    cum = np.cumsum(np.add.reduceat(w, starts, axis=1), axis=1, dtype=np.float64)
+    total = cum[:, -1]
+    target = u * total
+    chunk = np.minimum((cum <= target[:, None]).sum(axis=1), len(starts) - 1)
+    before = np.where(chunk > 0, cum[np.arange(n), np.maximum(chunk - 1, 0)], 0.0)
+    cols = starts[chunk][:, None] + np.arange(_CHUNK)
+    vals = np.where(cols < vocab, np.take_along_axis(w, np.minimum(cols, vocab - 1), axis=1), 0.0)
+    inside = np.cumsum(vals, axis=1, dtype=np.float64)
+    k = (inside <= (target - before)[:, None]).sum(axis=1)
+    # Rounding can put the target past the chunk's last token: take its last token with weight.
+    last = _CHUNK - 1 - np.argmax(vals[:, ::-1] > 0, axis=1)
+    k = np.where((k >= _CHUNK) | (vals[np.arange(n), np.minimum(k, _CHUNK - 1)] <= 0), last, k)
+    return starts[chunk] + k
 
 
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def _as_float32(logits: paddle.Tensor, rows: list[SamplingRow]) -> paddle.Tensor:
-    if logits.ndim != 2 or logits.shape[0] != len(rows):
-        raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got shape {list(logits.shape)}")
-    # Filtering and the race need float32 precision (and CPU Paddle has no half kernels).
-    return logits if logits.dtype == paddle.float32 else logits.astype("float32")
+def _host_logits(logits: paddle.Tensor, batch) -> np.ndarray:
+    n = batch.num_rows if isinstance(batch, SamplingBatch) else len(batch)
+    if logits.ndim != 2 or logits.shape[0] != n:
+        raise ValueError(f"logits must be [rows={n}, vocab], got shape {list(logits.shape)}")
+    if logits.dtype != paddle.float32:
+        logits = logits.astype("float32")
+    return np.from_dlpack(logits) if logits.place.is_cpu_place() else logits.numpy()
 
 
-def _softmax(x: paddle.Tensor) -> paddle.Tensor:
-    # Not F.softmax: Paddle's CPU kernel clips x - max at -64, so filtered (-inf) tokens would keep
-    # ~1e-28 probability. Its vectorised exp also clamps at ~-88 (exp(-inf) = 3e-39), hence the
-    # explicit zeroing: filtered tokens must have probability exactly 0.
-    e = paddle.exp(x - x.max(axis=-1, keepdim=True))
-    e = paddle.masked_fill(e, x == _NEG_INF, 0.0)
-    return e / e.sum(axis=-1, keepdim=True)
+def _take(batch: SamplingBatch, rows: np.ndarray) -> SamplingBatch:
+    """The filtering fields of `rows` (penalties and bans are already applied)."""
+    return SamplingBatch(temperature=batch.temperature[rows], top_k=batch.top_k[rows], top_p=batch.top_p[rows],
+                         min_p=batch.min_p[rows], seeds=batch.seeds[rows], positions=batch.positions[rows],
+                         num_logprobs=batch.num_logprobs[rows])
 
 
-def _log_softmax(x: paddle.Tensor) -> paddle.Tensor:
-    # Not F.log_softmax: Paddle's CPU kernel clips at -64 and is very slow at large vocab sizes.
-    return x - paddle.logsumexp(x, axis=-1, keepdim=True)
-
-
-def _plain_greedy(rows: list[SamplingRow]) -> bool:
-    """Every row is greedy with nothing that changes the logits or asks for top logprobs."""
-    return all(
-        r.params.is_greedy
-        and not r.params.has_penalties
-        and r.params.logprobs is None
-        and len(r.output_token_ids) >= r.params.min_tokens
-        for r in rows
-    )
-
-
-def _random_rows(rows: list[SamplingRow]) -> list[int]:
-    return [i for i, r in enumerate(rows) if not r.params.is_greedy]
-
-
-def _index(ids: list[int], like: paddle.Tensor) -> paddle.Tensor:
-    return paddle.to_tensor(ids, dtype="int64", place=like.place)
-
-
-def _col(values: list, dtype: str, place) -> paddle.Tensor:
-    return paddle.to_tensor(values, dtype=dtype, place=place).unsqueeze(1)
-
-
-def _cat(row_parts: list[np.ndarray], tok_parts: list[np.ndarray], vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    if not row_parts:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    r, t = np.concatenate(row_parts), np.concatenate(tok_parts)
-    ok = (t >= 0) & (t < vocab)  # ids outside the logits (e.g. added tokens) cannot be penalised
-    return r[ok], t[ok]
-
-
-def _bincount_2d(like: paddle.Tensor, row_ids: np.ndarray, tok_ids: np.ndarray) -> paddle.Tensor:
-    """`counts[r, t]` = occurrences of (r, t), built on the device by scatter-add, float32 like `like`."""
-    counts = paddle.zeros_like(like, dtype="float32")
-    if len(row_ids) == 0:
-        return counts
-    index = paddle.to_tensor(np.stack([row_ids, tok_ids], axis=1).astype(np.int64), place=like.place)
-    return paddle.scatter_nd_add(counts, index, paddle.ones([len(row_ids)], dtype="float32"))
-
-
-def _logprob_dicts(
-    raw_logprobs: paddle.Tensor, sampled_lp: paddle.Tensor, tokens: list[int], rows: list[SamplingRow]
-) -> list[dict[int, Logprob] | None]:
-    """Per row asking for logprobs: the sampled token (rank = #tokens at least as likely) + top-k."""
-    out: list[dict[int, Logprob] | None] = [None] * len(rows)
-    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    if not asking:
-        return out
-    idx = _index(asking, raw_logprobs)
-    sub = paddle.gather(raw_logprobs, idx, axis=0)
-    picked = paddle.gather(sampled_lp, idx, axis=0)
-    ranks = (sub >= picked.unsqueeze(1)).astype("int64").sum(axis=1).tolist()
-    picked = picked.tolist()
-    k_max = min(max(rows[i].params.logprobs for i in asking), sub.shape[1])
+def _output(x: np.ndarray, tokens: np.ndarray, batch: SamplingBatch) -> SamplerOutput:
+    n = batch.num_rows
+    token_list = tokens.tolist()
+    sampled: list[float | None] = [None] * n
+    entries: list[dict[int, Logprob] | None] = [None] * n
+    asking = np.nonzero(batch.num_logprobs >= 0)[0]
+    if not len(asking):
+        return SamplerOutput(token_list, sampled, entries)
+    raw = _log_softmax(x[asking])
+    picked = raw[np.arange(len(asking)), tokens[asking]]
+    ranks = (raw >= picked[:, None]).sum(axis=1)
+    k_max = int(min(batch.num_logprobs[asking].max(), raw.shape[1]))
     if k_max > 0:
-        top_vals, top_ids = paddle.topk(sub, k_max, axis=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    for j, i in enumerate(asking):
+        top_ids = np.argpartition(-raw, k_max - 1, axis=1)[:, :k_max]
+        top_vals = np.take_along_axis(raw, top_ids, axis=1)
+        order = np.argsort(-top_vals, axis=1, kind="stable")
+        top_ids, top_vals = np.take_along_axis(top_ids, order, 1).tolist(), np.take_along_axis(top_vals, order, 1).tolist()
+    for j, i in enumerate(asking.tolist()):
         # Sampled token first, then the top-k (which overwrites it with its own rank if present): vLLM's order.
-        d = {tokens[i]: Logprob(logprob=picked[j], rank=ranks[j])}
-        for r in range(min(rows[i].params.logprobs, k_max)):
+        d = {token_list[i]: Logprob(logprob=float(picked[j]), rank=int(ranks[j]))}
+        for r in range(min(int(batch.num_logprobs[i]), k_max)):
             d[top_ids[j][r]] = Logprob(logprob=top_vals[j][r], rank=r + 1)
-        out[i] = d
-    return out
+        entries[i] = d
+        sampled[i] = float(picked[j])
+    return SamplerOutput(token_list, sampled, entries)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    return (x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))).astype(np.float32)

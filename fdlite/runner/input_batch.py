@@ -1,99 +1,251 @@
-"""Turn a scheduled batch into the flat model inputs (FastDeploy's names) and a `ForwardMeta`.
+"""The persistent batch: per-slot arrays of the running sequences, and the flat step inputs built from them.
 
-Rows are reordered decodes first, then prefills, so decode rows form one dense block. All arrays
-are built with numpy on the host and copied to the device once per step.
+Each running sequence owns a slot (a row of every array here) from the step it is scheduled until
+it finishes or is preempted. What the forward and the sampler need per step is kept in those rows
+and changed only where something changed: a joining sequence writes its row once (tokens, block
+table, sampling parameters, penalty counts), a grown sequence appends its new block ids, a sampled
+token is written into its row. The step's flat inputs (`FlatBatch`) and sampling parameters
+(`SamplingBatch`) are then built with vectorised numpy over the scheduled slots, with no per-token
+Python and no copy of block tables per token (vLLM v1's persistent `InputBatch`; FastDeploy 2.x's
+`worker/gpu/input_batch.py` in Paddle).
+
+Host only (numpy): the runner copies a `FlatBatch` into its persistent device buffers
+(`runner/forward_buffers.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
-import paddle
 
-from fdlite.ops.forward_meta import ForwardMeta, PrefillSpan
+from fdlite.kvcache.block_allocator import blocks_for
+from fdlite.ops.forward_meta import FlatBatch, PrefillSpan
+from fdlite.ops.sampler import SamplingBatch, stop_tokens_while_short, token_counts
 from fdlite.runner.sequence import Sequence
 
 
 @dataclass
-class HostBatch:
-    """The flat batch on the host (token order = logits order); the CUDA-graph runner copies it into its buffers."""
+class StepInputs:
+    """What `InputBatch.prepare_inputs` hands the runner and the engine for one step."""
 
-    input_ids: np.ndarray      # [T] int64
-    positions: np.ndarray      # [T] int64
-    slot_mapping: np.ndarray   # [T] int64
-    token_rows: np.ndarray     # [T] int64: the row (sequence) of each token
-    block_tables: np.ndarray   # [rows, max_blocks] int64
-    num_decodes: int           # rows [0, num_decodes) are single-token decodes
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def num_rows(self) -> int:
-        return self.block_tables.shape[0]
+    flat: FlatBatch
+    slots: np.ndarray  # [rows] slot of each row, in flat-batch order
+    counts: np.ndarray  # [rows] tokens computed this step
+    sample_seqs: list[Sequence]  # the rows that sample a token this step, in logits order
+    sample_slots: np.ndarray  # their slots
+    sampling: SamplingBatch | None  # None when no row samples
 
 
-@dataclass
-class ModelInputs:
-    input_ids: paddle.Tensor          # [tokens] int64
-    positions: paddle.Tensor          # [tokens] int64
-    meta: ForwardMeta
-    logits_indices: paddle.Tensor     # [sampled rows] int64: last token of each row that samples
-    sample_seqs: list[Sequence]       # the rows that sample a token this step, in logits order
-    rows: list[tuple[Sequence, int]]  # (sequence, tokens this step) in flat-batch order
-    host: HostBatch
+def flat_batch(token_ids: np.ndarray, rows: np.ndarray, computed: np.ndarray, counts: np.ndarray,
+               tables: np.ndarray, block_size: int, samples: np.ndarray) -> FlatBatch:
+    """The flat batch of rows (decodes first), vectorised.
 
-
-def build_inputs(rows: list[tuple[Sequence, int]], block_size: int) -> ModelInputs:
-    rows = [r for r in rows if r[1] == 1] + [r for r in rows if r[1] != 1]
-    num_decodes = sum(1 for _, n in rows if n == 1)
-    ids, pos, slots, q_lens, kv_lens, logits_idx, sample_seqs, prefills = [], [], [], [], [], [], [], []
-    token_rows = []
-    max_blocks = max(len(seq.block_table) for seq, _ in rows)
-    tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
-    start = 0
-    for r, (seq, n) in enumerate(rows):
-        c = seq.num_computed_tokens
-        ids.extend(seq.token_ids(c, c + n))
-        p = np.arange(c, c + n, dtype=np.int64)
-        pos.append(p)
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        tables[r, : len(table)] = table
-        slots.append(table[p // block_size] * block_size + p % block_size)
-        q_lens.append(n)
-        token_rows.append(np.full(n, r, dtype=np.int64))
-        kv_lens.append(c + n)
-        if n != 1:
-            prefills.append(PrefillSpan(row=r, token_start=start, q_len=n, kv_len=c + n))
-        if c + n == seq.num_tokens:  # caught up: the last position predicts the next token
-            logits_idx.append(start + n - 1)
-            sample_seqs.append(seq)
-        start += n
-    host = HostBatch(
-        input_ids=np.asarray(ids, dtype=np.int64),
-        positions=np.concatenate(pos),
-        slot_mapping=np.concatenate(slots),
-        token_rows=np.concatenate(token_rows),
-        block_tables=tables,
-        num_decodes=num_decodes,
-    )
-    meta = ForwardMeta(
-        seq_lens_this_time=paddle.to_tensor(np.asarray(q_lens, dtype=np.int32)),
-        seq_lens_kv=paddle.to_tensor(np.asarray(kv_lens, dtype=np.int32)),
-        block_tables=paddle.to_tensor(tables),
-        slot_mapping=paddle.to_tensor(host.slot_mapping),
+    token_ids [R, L] tokens per row slot; rows [B] slots in batch order; computed / counts [B]
+    tokens already in the cache / computed this step; tables [R, W] block ids; samples [B] bool:
+    whether the row's last token samples.
+    """
+    b = len(rows)
+    cu = np.zeros(b + 1, np.int32)
+    np.cumsum(counts, out=cu[1:])
+    t = int(cu[-1])
+    token_rows = np.repeat(np.arange(b, dtype=np.int64), counts)
+    pos = np.arange(t, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64) - computed, counts)
+    slot_of_token = rows[token_rows]
+    width = int(blocks_for(int((computed + counts).max()), block_size)) if b else 1
+    batch_tables = tables[rows, :width]
+    blocks = batch_tables[token_rows, pos // block_size].astype(np.int64)
+    seq_lens = (computed + counts).astype(np.int32)
+    num_decodes = int(np.argmax(counts != 1)) if (counts != 1).any() else b
+    prefills = [PrefillSpan(row=r, token_start=int(cu[r]), q_len=int(counts[r]), kv_len=int(seq_lens[r]))
+                for r in range(num_decodes, b)]
+    return FlatBatch(
+        input_ids=token_ids[slot_of_token, pos].astype(np.int64),
+        positions=pos,
+        slot_mapping=blocks * block_size + pos % block_size,
+        token_rows=token_rows,
+        block_tables=np.ascontiguousarray(batch_tables),
+        seq_lens_kv=seq_lens,
+        cu_seqlens_q=cu,
+        logits_indices=(cu[1:][samples] - 1).astype(np.int64),
         num_decodes=num_decodes,
         prefills=prefills,
-        block_size=block_size,
     )
-    return ModelInputs(
-        input_ids=paddle.to_tensor(host.input_ids),
-        positions=paddle.to_tensor(host.positions),
-        meta=meta,
-        logits_indices=paddle.to_tensor(np.asarray(logits_idx, dtype=np.int64)),
-        sample_seqs=sample_seqs,
-        rows=rows,
-        host=host,
-    )
+
+
+class InputBatch:
+    """Per-slot state of up to `max_num_seqs` running sequences."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
+                 eos_token_ids: set[int]):
+        n = max_num_seqs
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.seqs: list[Sequence | None] = [None] * n
+        self._free = list(range(n - 1, -1, -1))  # pop() hands out slot 0 first
+        self.token_ids = np.zeros((n, max_model_len), np.int32)
+        self.num_tokens = np.zeros(n, np.int64)
+        self.num_prompt = np.zeros(n, np.int64)
+        self.num_computed = np.zeros(n, np.int64)
+        self.block_table = np.zeros((n, blocks_for(max_model_len, block_size)), np.int32)
+        self.num_blocks = np.zeros(n, np.int64)
+        # Sampling parameters per slot.
+        self.temperature = np.zeros(n, np.float32)
+        self.top_k = np.zeros(n, np.int64)
+        self.top_p = np.ones(n, np.float32)
+        self.min_p = np.zeros(n, np.float32)
+        self.seeds = np.zeros(n, np.uint64)
+        self.num_logprobs = np.full(n, -1, np.int64)
+        self.min_tokens = np.zeros(n, np.int64)
+        self.has_penalties = np.zeros(n, bool)
+        self.repetition_penalty = np.ones(n, np.float32)
+        self.frequency_penalty = np.zeros(n, np.float32)
+        self.presence_penalty = np.zeros(n, np.float32)
+        # [slots, vocab] penalty state, allocated when the first request with penalties joins.
+        self.output_counts: np.ndarray | None = None
+        self.prompt_seen: np.ndarray | None = None
+        # Stop checks the engine does on token ids.
+        self.max_tokens = np.full(n, np.iinfo(np.int64).max, np.int64)
+        self.ignore_eos = np.zeros(n, bool)
+        self.has_stop_ids = np.zeros(n, bool)
+        self.watch_text = np.zeros(n, bool)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.seqs) - len(self._free)
+
+    # ---- joining and leaving ---------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Give `seq` a slot and write its row: tokens, blocks, sampling parameters, penalty state."""
+        slot = self._free.pop()
+        seq.slot = slot
+        self.seqs[slot] = seq
+        n = seq.num_tokens
+        self.token_ids[slot, : seq.num_prompt_tokens] = seq.prompt_token_ids
+        self.token_ids[slot, seq.num_prompt_tokens : n] = seq.output_token_ids
+        self.num_tokens[slot] = n
+        self.num_prompt[slot] = seq.num_prompt_tokens
+        self.num_computed[slot] = seq.num_computed_tokens
+        self.num_blocks[slot] = 0
+        self.sync_blocks(seq)
+        p = seq.params
+        self.temperature[slot] = 0.0 if p.is_greedy else p.temperature
+        self.top_k[slot] = p.top_k
+        self.top_p[slot] = p.top_p
+        self.min_p[slot] = p.min_p
+        self.seeds[slot] = seq.seed
+        self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
+        self.min_tokens[slot] = p.min_tokens
+        self.max_tokens[slot] = p.max_tokens if p.max_tokens is not None else np.iinfo(np.int64).max
+        self.ignore_eos[slot] = p.ignore_eos
+        self.has_stop_ids[slot] = bool(p.stop_token_ids)
+        self.watch_text[slot] = seq.detokenizer is not None  # fed every token (stop strings)
+        self.has_penalties[slot] = p.has_penalties
+        if p.has_penalties:
+            self.repetition_penalty[slot] = p.repetition_penalty
+            self.frequency_penalty[slot] = p.frequency_penalty
+            self.presence_penalty[slot] = p.presence_penalty
+            if self.output_counts is None:
+                self.output_counts = np.zeros((len(self.seqs), self.vocab_size), np.float32)
+                self.prompt_seen = np.zeros((len(self.seqs), self.vocab_size), bool)
+            self.output_counts[slot] = token_counts(seq.output_token_ids, self.vocab_size)
+            self.prompt_seen[slot] = token_counts(seq.prompt_token_ids, self.vocab_size) > 0
+
+    def remove(self, seq: Sequence) -> None:
+        """Free `seq`'s slot (finished or preempted); its row is rewritten by the next joiner."""
+        self.seqs[seq.slot] = None
+        self._free.append(seq.slot)
+        seq.slot = None
+
+    def sync_blocks(self, seq: Sequence) -> None:
+        """Append the block ids `seq` got since its row was last written (a block table only grows while running)."""
+        slot, have = seq.slot, int(self.num_blocks[seq.slot])
+        new = seq.block_table[have:]
+        if new:
+            self.block_table[slot, have : have + len(new)] = new
+            self.num_blocks[slot] = have + len(new)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def prepare_inputs(self, rows: list[tuple[Sequence, int]]) -> StepInputs:
+        """The flat inputs and sampling parameters of the scheduled rows (decodes first)."""
+        counts = np.fromiter((n for _, n in rows), np.int64, len(rows))
+        if (counts != 1).any():  # decodes first, each group in scheduler order
+            order = np.argsort(counts != 1, kind="stable")
+            rows, counts = [rows[i] for i in order.tolist()], counts[order]
+        slots = np.fromiter((s.slot for s, _ in rows), np.int64, len(rows))
+        computed = self.num_computed[slots]
+        samples = computed + counts == self.num_tokens[slots]  # caught up: the last position predicts
+        flat = flat_batch(self.token_ids, slots, computed, counts, self.block_table, self.block_size, samples)
+        idx = np.nonzero(samples)[0]
+        sample_slots = slots[idx]
+        sample_seqs = [rows[i][0] for i in idx.tolist()] if len(idx) != len(rows) else [s for s, _ in rows]
+        sampling = self.sampling_batch(sample_slots) if len(idx) else None
+        return StepInputs(flat, slots, counts, sample_seqs, sample_slots, sampling)
+
+    def refresh_tokens(self, step: StepInputs) -> StepInputs:
+        """Re-read a prepared step's input tokens and sampling parameters from the slots: async
+        scheduling prepares a step before the previous one's tokens are written."""
+        flat = step.flat
+        flat.input_ids = self.token_ids[step.slots[flat.token_rows], flat.positions].astype(np.int64)
+        if step.sampling is not None:
+            step.sampling = self.sampling_batch(step.sample_slots)
+        return step
+
+    def sampling_batch(self, slots: np.ndarray) -> SamplingBatch:
+        """Sampling parameters of `slots`, gathered from the per-slot arrays."""
+        batch = SamplingBatch(
+            temperature=self.temperature[slots], top_k=self.top_k[slots], top_p=self.top_p[slots],
+            min_p=self.min_p[slots], seeds=self.seeds[slots], positions=self.num_tokens[slots],
+            num_logprobs=self.num_logprobs[slots],
+        )
+        num_output = self.num_tokens[slots] - self.num_prompt[slots]
+        short = np.nonzero(num_output < self.min_tokens[slots])[0]
+        if len(short):
+            pairs = [(i, t) for i in short.tolist() for t in stop_tokens_while_short(
+                self.seqs[slots[i]].params, int(num_output[i]), self.eos_token_ids, self.vocab_size)]
+            if pairs:
+                batch.banned_rows, batch.banned_tokens = (np.asarray(a, np.int64) for a in zip(*pairs))
+        pen = np.nonzero(self.has_penalties[slots])[0]
+        if len(pen):
+            ps = slots[pen]
+            batch.penalty_rows = pen
+            batch.repetition_penalty = self.repetition_penalty[ps]
+            batch.frequency_penalty = self.frequency_penalty[ps]
+            batch.presence_penalty = self.presence_penalty[ps]
+            batch.output_counts = self.output_counts[ps]
+            batch.prompt_seen = self.prompt_seen[ps]
+        return batch
+
+    def advance(self, step: StepInputs) -> None:
+        """After a step: its tokens are in the cache."""
+        self.num_computed[step.slots] += step.counts
+
+    def append_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Write each slot's sampled token at its next position (and count it for penalties)."""
+        self.reserve_tokens(slots)
+        self.write_tokens(slots, tokens)
+
+    def reserve_tokens(self, slots: np.ndarray) -> None:
+        """Each slot gets one more token whose value comes later (async scheduling)."""
+        self.num_tokens[slots] += 1
+
+    def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """The values of the slots' reserved last tokens (and their penalty counts)."""
+        self.token_ids[slots, self.num_tokens[slots] - 1] = tokens
+        if self.output_counts is not None:
+            pen = self.has_penalties[slots]
+            if pen.any():
+                np.add.at(self.output_counts, (slots[pen], tokens[pen]), 1.0)
+
+    def stop_candidates(self, slots: np.ndarray, tokens: np.ndarray, max_model_len: int) -> np.ndarray:
+        """Rows (indices into `slots`) that may stop after taking `tokens`: EOS, a stop id or string
+        to check, or a length limit. The exact decision (and min_tokens) is `check_stop`'s."""
+        num_output = self.num_tokens[slots] - self.num_prompt[slots]
+        eos = np.fromiter(self.eos_token_ids, np.int64, len(self.eos_token_ids))  # the engine's set, shared
+        maybe = np.isin(tokens, eos) & ~self.ignore_eos[slots]
+        maybe |= self.has_stop_ids[slots] | self.watch_text[slots]
+        maybe |= (num_output >= self.max_tokens[slots]) | (self.num_tokens[slots] >= max_model_len)
+        return np.nonzero(maybe)[0]

@@ -12,7 +12,6 @@ steps) in the same order, so the collectives inside the layers pair up; rank 0 a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import paddle
 
@@ -25,19 +24,20 @@ from fdlite.models.model_config import ModelConfig
 from fdlite.models.registry import model_class
 from fdlite.models.tp_partition import TPPartition
 from fdlite.models.weight_loader import load_weights
-from fdlite.ops.sampler import Sampler, SamplerOutput, SamplingRow
+from fdlite.ops.forward_meta import FlatBatch
+from fdlite.ops.sampler import Sampler, SamplerOutput
 from fdlite.graph.backend import GraphOptBackend
 from fdlite.graph.capture_sizes import decode_capture_sizes, prefill_capture_sizes
-from fdlite.graph.cuda import device_memory, reset_peak_memory
+from fdlite.kvcache.device_memory import device_memory, reset_peak_memory
 from fdlite.graph.cudagraph_runner import CudaGraphRunner, cudagraph_factory
-from fdlite.graph.phases import PhaseRecorder
+from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import translation_count
 from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for
 from fdlite.ops.allreduce import capture_custom_allreduce
-from fdlite.ops.allreduce.communicator import Communicator, set_communicator
-from fdlite.runner.dummy_batch import dummy_rows, even_split
-from fdlite.runner.input_batch import ModelInputs, build_inputs
-from fdlite.runner.sequence import Sequence
+from fdlite.distributed.communicator import Communicator, set_communicator
+from fdlite.runner.dummy_batch import dummy_batch, even_split, small_prefill_lengths
+from fdlite.runner.forward_buffers import ForwardBuffers
+from fdlite.runner.input_batch import StepInputs
 
 logger = logging.getLogger("fdlite")
 
@@ -66,23 +66,12 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
     return dtype
 
 
-@dataclass
-class StepResult:
-    inputs: ModelInputs
-    sampled: SamplerOutput | None
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig):
         self.config = config
         self.model_config = model_config
         self.device = select_device()
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
-        if config.max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings})"
-            )
         tp_size = config.tensor_parallel_size
         TPPartition.of(model_config, 0, tp_size)  # a model that cannot be split fails before any process waits
         self.parallel = init_tensor_parallel(tp_size, self.device)
@@ -93,6 +82,11 @@ class ModelRunner:
         load_weights(self.model, model_path)
         self.model.eval()
         self.sampler = Sampler()
+        g = config.graph_optimization_config
+        self.buffers = ForwardBuffers(
+            max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs, *(g.cudagraph_capture_sizes or [1])),
+            max_rows=config.max_num_seqs, max_blocks=blocks_for(config.max_model_len, config.block_size),
+            block_size=config.block_size)
         self.kv_cache: KVCache | None = None
         self.graph_runner: CudaGraphRunner | None = None
 
@@ -102,14 +96,16 @@ class ModelRunner:
         return bytes_per_block(c.num_hidden_layers, self.config.block_size, self.tp.num_kv_heads, c.head_dim, self.dtype)
 
     def profile_run(self) -> MemoryProfile | None:
-        """DESIGN.md step 2: an eager dummy prefill of max_num_batched_tokens tokens with a temporary cache.
+        """DESIGN.md step 2: an eager dummy prefill with a temporary cache.
 
-        Returns the measured memory numbers on GPU, None on CPU (no device memory statistics there);
-        the forward runs either way, so a shape or memory problem shows at startup, not mid-job.
+        On GPU the prefill is the largest step (max_num_batched_tokens tokens over max_num_seqs rows)
+        and the measured memory numbers come back. On CPU nothing is measured (the cache size comes from
+        `kv_cache_memory_bytes`), so the batch is only what proves a real step runs, a few prompts of
+        different lengths (`small_prefill_lengths`): a full 1024-token prefill of Qwen3-0.6B took 44 s
+        there. Either way the forward runs before the first request, so a shape problem shows at startup.
         """
-        # A step never holds more than max_num_seqs sequences of max_model_len tokens, whatever the budget says.
-        tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
-        lengths = even_split(tokens, self.config.max_num_seqs)
+        lengths = self.profile_lengths()
+        tokens = sum(lengths)
         temp_blocks = sum(blocks_for(n, self.config.block_size) for n in lengths)
         reset_peak_memory()
         before = device_memory()
@@ -117,8 +113,7 @@ class ModelRunner:
                                          self.tp.num_kv_heads, self.model_config.head_dim, self.dtype)
         temp_bytes = temp_blocks * self.bytes_per_block
         with_cache = device_memory()
-        self.forward(build_inputs(dummy_rows(lengths, self.config.block_size, temp_blocks), self.config.block_size),
-                     use_graphs=False)
+        self.forward(dummy_batch(lengths, self.config.block_size, temp_blocks), use_graphs=False)
         during = device_memory()
         self.kv_cache = None
         if before is None:
@@ -126,6 +121,15 @@ class ModelRunner:
         return MemoryProfile(total=before.total, allocated_before=with_cache.allocated, peak_during=during.peak,
                              used_after=during.allocated, temporary_kv_bytes=temp_bytes,
                              profile_tokens=tokens)
+
+    def profile_lengths(self) -> list[int]:
+        """The profiling prefill's sequence lengths (see `profile_run`)."""
+        c = self.config
+        # A step never holds more than max_num_seqs sequences of max_model_len tokens, whatever the budget says.
+        tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
+        if device_memory() is None:  # no memory to measure here
+            return small_prefill_lengths(c.max_num_seqs, c.max_model_len, c.block_size, tokens)
+        return even_split(tokens, c.max_num_seqs)
 
     def num_blocks_to_allocate(self, profile: MemoryProfile | None) -> int:
         """DESIGN.md step 3, agreed over ranks: every rank schedules the same blocks, so all take the fewest any can hold."""
@@ -178,6 +182,16 @@ class ModelRunner:
 
     # ---- graph optimization ------------------------------------------------------------
 
+    def forward_stats(self) -> dict[str, int]:
+        """How forwards ran so far: calls into the SOT-translated function, CUDA-graph replays, and the
+        replays of a batch padded up to a larger captured size. (With the eager graph stand-in a replay
+        calls the layer again, so it counts as a SOT call too; a real CUDA graph does not.)"""
+        backend = self.model.model.__dict__.get("graph_opt_backend")
+        gr = self.graph_runner
+        return {"sot_calls": backend.num_calls if backend is not None else 0,
+                "cudagraph_replays": gr.num_replays if gr is not None else 0,
+                "cudagraph_padded_replays": gr.num_padded_replays if gr is not None else 0}
+
     def capture_sizes(self) -> list[int]:
         """The sizes that will get a CUDA graph ([] when graphs are off or cannot run here)."""
         g = self.config.graph_optimization_config
@@ -199,9 +213,8 @@ class ModelRunner:
                            "(device here: %s); running without graphs", self.device)
         if sizes:
             self.graph_runner = CudaGraphRunner(
-                layer, self.kv_cache, sizes, prefill=g.cudagraph_only_prefill, max_num_seqs=self.config.max_num_seqs,
-                max_blocks=blocks_for(self.config.max_model_len, self.config.block_size),
-                graph_factory=cudagraph_factory(self.device))
+                layer, self.kv_cache, self.buffers, sizes, prefill=g.cudagraph_only_prefill,
+                max_num_seqs=self.config.max_num_seqs, graph_factory=cudagraph_factory(self.device))
             with capture_custom_allreduce(recorder), recorder.phase("cudagraph_capture"):
                 self.graph_runner.capture_all(recorder, verify=g.verify_cudagraph)
         if g.graph_opt_level >= 1:
@@ -217,36 +230,33 @@ class ModelRunner:
         """
         bs, nb = self.config.block_size, self.kv_cache.num_blocks
         decode_sizes = sorted({1, min(2, self.config.max_num_seqs), self.config.max_num_seqs})
-        batches = [dummy_rows([2] * n, bs, nb, decode=True) for n in decode_sizes]
-        batches += [dummy_rows([n], bs, nb) for n in sorted({2, min(3, self.config.max_model_len - 1)})]
+        batches = [dummy_batch([2] * n, bs, nb, decode=True) for n in decode_sizes]
+        batches += [dummy_batch([n], bs, nb) for n in sorted({2, min(3, self.config.max_model_len - 1)})]
         before = translation_count()
-        for rows in batches:
-            self.forward(build_inputs(rows, bs), use_graphs=False)
+        for batch in batches:
+            self.forward(batch, use_graphs=False)
         recorder.point("sot_translate", count=translation_count() - before)
 
     @paddle.no_grad()
-    def forward(self, inputs: ModelInputs, use_graphs: bool = True) -> paddle.Tensor | None:
+    def forward(self, flat: FlatBatch, use_graphs: bool = True) -> paddle.Tensor | None:
         """Hidden states of the flat batch (graph replay when its padded size was captured) -> logits of the rows that sample."""
-        size = self.graph_runner.size_for(inputs.host) if use_graphs and self.graph_runner is not None else None
+        size = self.graph_runner.size_for(flat) if use_graphs and self.graph_runner is not None else None
         if size is not None:
-            hidden = self.graph_runner.run(inputs.host, size)
+            hidden = self.graph_runner.run(flat, size)
+            logits_indices = self.buffers.logits_index_view(len(flat.logits_indices))
         else:
-            inputs.meta.caches = self.kv_cache.caches
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if not inputs.sample_seqs:
+            ids, positions, meta, logits_indices = self.buffers.write(flat, self.kv_cache.caches)
+            hidden = self.model(ids, positions, meta)
+        if not len(flat.logits_indices):
             return None
-        return self.model.compute_logits(paddle.gather(hidden, inputs.logits_indices))
+        return self.model.compute_logits(paddle.gather(hidden, logits_indices))
 
-    def execute(self, rows: list[tuple[Sequence, int]], eos_token_ids: set[int]) -> StepResult:
-        inputs = build_inputs(rows, self.config.block_size)
-        logits = self.forward(inputs)
+    def execute(self, step: StepInputs) -> SamplerOutput | None:
+        """Run one step: forward, then (rank 0) sample; every rank gets rank 0's tokens."""
+        logits = self.forward(step.flat)
         if logits is None:
-            return StepResult(inputs, None)
-        sampled = None
-        if self.parallel.is_driver:
-            sample_rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
-                           for s in inputs.sample_seqs]
-            sampled = self.sampler(logits, sample_rows, eos_token_ids)
+            return None
+        sampled = self.sampler(logits, step.sampling) if self.parallel.is_driver else None
         if self.parallel.world_size > 1:
-            sampled = share_sampled_tokens(self.comm, sampled, inputs.sample_seqs)
-        return StepResult(inputs, sampled)
+            sampled = share_sampled_tokens(self.comm, sampled, step.sample_seqs)
+        return sampled

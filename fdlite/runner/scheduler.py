@@ -33,12 +33,21 @@ from dataclasses import dataclass, field
 from fdlite.config import EngineConfig
 from fdlite.kvcache.block_allocator import BlockAllocator
 from fdlite.runner.sequence import Sequence, SequenceStatus
+from fdlite.runner.stop_checker import check_stop
+
+
+PLACEHOLDER_TOKEN = -1  # a reserved output token whose value the running step will give
 
 
 @dataclass
 class ScheduledBatch:
+    """What changed this step (vLLM's `SchedulerOutput`): the rows to run and the diff the persistent
+    batch applies (preempted sequences leave, grown ones append blocks, joined ones take a slot)."""
+
     rows: list[tuple[Sequence, int]]  # (sequence, tokens computed this step), in priority order
     preempted: list[Sequence] = field(default_factory=list)
+    grown: list[Sequence] = field(default_factory=list)  # running sequences that got new blocks
+    joined: list[Sequence] = field(default_factory=list)  # sequences admitted from the queue this step
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +57,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: EngineConfig, allocator: BlockAllocator):
         self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self.max_num_partial_prefills = config.max_num_partial_prefills
@@ -72,6 +82,9 @@ class Scheduler:
         batch = ScheduledBatch(rows=[])
         slot = self._prefill_slot()
         i = 0
+        if not self.partial_prefills and len(self.running) <= budget and self._schedule_decodes(batch):
+            i = len(self.running)
+            budget -= i
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
@@ -88,14 +101,15 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            self.allocator.grow(seq.block_table, seq.num_computed_tokens + n)
+            if self.allocator.grow(seq.block_table, seq.num_computed_tokens + n):
+                batch.grown.append(seq)
             batch.rows.append((seq, n))
             self._track_partial(seq, n)
             budget -= n
             i += 1
 
         # New sequences join only on a step that preempted nothing: blocks are short.
-        if batch.preempted:
+        if batch.preempted or not self.waiting or len(self.running) >= self.max_num_seqs or budget <= 0:
             return batch
         in_flight = self._blocks_in_flight(batch)
         passed_over = 0
@@ -123,12 +137,30 @@ class Scheduler:
                 seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            batch.joined.append(seq)
             batch.rows.append((seq, n))
             self._track_partial(seq, n)
             if in_flight is not None:
                 in_flight.update(self._uncomputed_block_hashes(seq))
             budget -= n
         return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> bool:
+        """Fast path for the common step: every running sequence decodes one token.
+
+        Without partial prefills every running sequence has exactly one token to compute (its
+        last sampled one), so only those whose token opens a new block need the allocator. False,
+        with nothing changed, when the free blocks cannot cover them (the general loop preempts).
+        """
+        bs = self.block_size
+        need = [s for s in self.running if s.num_computed_tokens >= len(s.block_table) * bs]
+        if len(need) > self.allocator.num_free_blocks:
+            return False
+        for seq in need:
+            self.allocator.grow(seq.block_table, seq.num_computed_tokens + 1)
+        batch.grown.extend(need)
+        batch.rows.extend((seq, 1) for seq in self.running)
+        return True
 
     # ---- chunked prefill limits ------------------------------------------------------------
 
@@ -202,11 +234,61 @@ class Scheduler:
         self.partial_prefills.pop(seq, None)
         self.waiting.appendleft(seq)
 
+    # ---- after a step ------------------------------------------------------------------------
+
+    def update_after_step(self, rows: list[tuple[Sequence, int]]) -> None:
+        """The rows' tokens are in the cache now; offer blocks that became full to the prefix cache
+        (before any finished sequence lets go of them)."""
+        bs = self.block_size
+        for seq, n in rows:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens // bs > seq.num_hashed_blocks:
+                self.allocator.cache_full_blocks(seq)
+
+    def reserve_tokens(self, seqs: list[Sequence]) -> None:
+        """Async scheduling: each of `seqs` gets a placeholder last token, so the next step can be
+        scheduled before this one's tokens are known (`update_from_output(reserved=True)` fills them)."""
+        for seq in seqs:
+            seq.output_token_ids.append(PLACEHOLDER_TOKEN)
+
+    def update_from_output(self, seqs: list[Sequence], tokens: list[int], candidates: list[int], outputs,
+                           eos_token_ids: set[int], now: float, reserved: bool = False) -> list[Sequence]:
+        """Append each row's sampled token (or fill its reserved place); finish the rows that stop
+        (`candidates`: the only rows that may, found on token ids by the persistent batch).
+        Returns the finished sequences."""
+        if reserved:
+            for seq, token in zip(seqs, tokens):
+                seq.output_token_ids[-1] = token
+        else:
+            for seq, token in zip(seqs, tokens):
+                seq.output_token_ids.append(token)
+        finished = []
+        for i in candidates:
+            seq, token = seqs[i], tokens[i]
+            stop_str = outputs.on_token(seq, token) if seq.detokenizer is not None else None
+            stop = check_stop(seq, token, stop_str, eos_token_ids, self.max_model_len)
+            if stop is not None:
+                seq.finish_time = now
+                self.finish(seq, *stop)
+                finished.append(seq)
+        return finished
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished sequence, running or waiting."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.finish(seq, "abort")
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark a running sequence finished and free its blocks (their full blocks stay cached)."""
+        was_running = seq.status is SequenceStatus.RUNNING
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.allocator.free(seq.block_table)
         self.partial_prefills.pop(seq, None)
-        self.running.remove(seq)
+        if was_running:
+            self.running.remove(seq)
+        else:  # preempted by a step scheduled ahead (async scheduling) before its last token came
+            self.waiting.remove(seq)

@@ -13,8 +13,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from fdlite.outputs import Logprob
 from fdlite.sampling_params import SamplingParams
 
@@ -34,8 +32,8 @@ class Sequence:
     child_index: int
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: np.random.Generator
-    detokenizer: object | None = None  # IncrementalDetokenizer when text is produced
+    seed: int  # 64-bit: the sampler's uniforms are a function of (seed, position) (ops/random.py)
+    detokenizer: object | None = None  # IncrementalDetokenizer, only for sequences with stop strings
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -49,6 +47,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    slot: int | None = None  # row in the persistent batch while running (runner/input_batch.py)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

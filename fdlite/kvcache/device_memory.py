@@ -1,0 +1,43 @@
+"""Device memory statistics for sizing the KV cache (DESIGN.md step 3), from Paddle's allocator.
+
+Only calls that exist in both Paddle 2.6 and 3.x, or feature-detected: the profiling run reads
+them on a GPU; on CPU there are none (the cache size comes from `kv_cache_memory_bytes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+
+
+def on_gpu() -> bool:
+    return paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu")
+
+
+@dataclass
+class DeviceMemory:
+    total: int      # bytes on the device
+    allocated: int  # bytes held by Paddle's allocator now
+    peak: int       # most bytes held since the last reset
+
+
+def device_memory() -> DeviceMemory | None:
+    """Current CUDA memory numbers, or None on a CPU run."""
+    if not on_gpu():
+        return None
+    dev = paddle.device.cuda
+    return DeviceMemory(
+        total=dev.get_device_properties().total_memory,
+        allocated=dev.memory_allocated(),
+        peak=dev.max_memory_allocated(),
+    )
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak; Paddle 2.6 has no reset call, so the peak then counts from process start
+    (an over-estimate of the activation peak: a smaller, safe KV cache)."""
+    if on_gpu():
+        reset = getattr(paddle.device.cuda, "reset_max_memory_allocated", None)
+        if reset is not None:
+            reset()

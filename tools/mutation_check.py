@@ -1,0 +1,531 @@
+"""Plant known bugs in scratch copies of the repository and check that the tests catch each one.
+
+Every mutation below is data: the files it edits (exact `old` text -> `new` text, `old` found exactly
+once), and the tests that must catch it. For each one the script copies the repository (git's tracked
+and untracked-but-not-ignored files) to a temporary folder, applies the edits there, runs the selected
+tests with a time limit and reports:
+
+  caught          at least one selected test failed (or errored)
+  NOT CAUGHT      every selected test passed: the suite would let this bug through
+  PATCH FAILED    an `old` text is missing or ambiguous: the code moved (a refactor); retarget the
+                  mutation at the new code instead of dropping it
+  NO TESTS        the selected tests no longer exist (renamed?); fix the selection
+  timeout         the run passed its time limit (counted as caught, but look at it)
+
+First the selected tests run on an unmodified copy (the baseline): a test that fails there says
+nothing about a mutation. The working tree is never touched.
+
+    python tools/mutation_check.py                     # every mutation (about 20-30 minutes on 2 cores)
+    python tools/mutation_check.py --only static-waves --only free-head-first
+    python tools/mutation_check.py --list
+    python tools/mutation_check.py --report docs/mutation_check.md --json docs/mutation_check.json
+
+Not part of CI: it runs the slow tests many times. Exit status: 0 when the baseline passes and every
+mutation is caught, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import py_compile
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Edit:
+    file: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutation:
+    id: str
+    bug: str  # what the planted bug does, in words
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]  # pytest node ids or test files that must catch it
+    first_check: str  # what the first mutation check (issue 11) found: "caught", "not caught" or "new"
+
+
+GRAPH = "tests/test_graph_optimization.py"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # ---- not caught by the first check -------------------------------------------------------------
+    Mutation(
+        "min-tokens-disables-stops",
+        "No stop condition at all once min_tokens > 0 (check_stop and the engine's stop-string gate)",
+        (Edit("fdlite/runner/stop_checker.py",
+              "    if n_out >= p.min_tokens:\n",
+              "    if n_out >= p.min_tokens and p.min_tokens == 0:\n"),
+         Edit("fdlite/runner/output_processor.py",
+              "check_stop=len(seq.output_token_ids) >= seq.params.min_tokens)",
+              "check_stop=len(seq.output_token_ids) >= seq.params.min_tokens and seq.params.min_tokens == 0)")),
+        ("tests/test_generate_api.py",),
+        "not caught",
+    ),
+    Mutation(
+        "preempted-requeued-at-back",
+        "A preempted sequence goes to the back of the waiting queue instead of the front",
+        (Edit("fdlite/runner/scheduler.py",
+              "        self.waiting.appendleft(seq)\n",
+              "        self.waiting.append(seq)\n"),),
+        ("tests/test_scheduler.py", "tests/test_preemption.py"),
+        "not caught",
+    ),
+    Mutation(
+        "sot-detached-after-warmup",
+        "SOT is detached after its warm-up: every generate step runs the dynamic forward",
+        (Edit("fdlite/runner/model_runner.py",
+              "                self.sot_warmup(recorder)\n",
+              "                self.sot_warmup(recorder)\n"
+              "            layer.graph_opt_backend = None  # MUTATION\n"),),
+        (GRAPH, "tests/test_tensor_parallel.py::test_tp2_with_sot_static_graph"),
+        "not caught",
+    ),
+    Mutation(
+        "sot-attached-in-profile-run",
+        "SOT is attached before the profiling run, so it translates before CUDA-graph capture",
+        (Edit("fdlite/runner/model_runner.py",
+              "        with_cache = device_memory()\n",
+              "        with_cache = device_memory()\n"
+              "        g = self.config.graph_optimization_config  # MUTATION\n"
+              "        if g.graph_opt_level >= 1:\n"
+              "            self.model.model.graph_opt_backend = GraphOptBackend(self.model.model, g.graph_opt_level)\n"),),
+        (f"{GRAPH}::test_startup_order_sot_inside_capture_inside_allreduce_context",
+         f"{GRAPH}::test_sot_translates_in_its_warmup_phase_only"),
+        "not caught",
+    ),
+    # ---- tests the first check found unable to fail: a bug each now catches ------------------------
+    Mutation(
+        "static-waves",
+        "Static batching: waiting requests join only when no sequence is running",
+        (Edit("fdlite/runner/scheduler.py",
+              "        if batch.preempted or not self.waiting or len(self.running) >= self.max_num_seqs",
+              "        if batch.preempted or batch.rows or not self.waiting or len(self.running) >= self.max_num_seqs"),),
+        ("tests/test_hf_parity.py::test_greedy_matches_transformers", "tests/test_scheduler.py"),
+        "new",
+    ),
+    Mutation(
+        "padding-writes-a-real-slot",
+        "Padded rows of a CUDA-graph batch write their KV to slot 0 instead of the scratch block",
+        (Edit("fdlite/runner/forward_buffers.py",
+              "self.slot_mapping.write(np.full(extra, self.scratch_block * self.block_size, np.int64), t)",
+              "self.slot_mapping.write(np.zeros(extra, np.int64), t)  # MUTATION"),),
+        (f"{GRAPH}::test_padded_decode_graphs_give_identical_tokens",
+         f"{GRAPH}::test_graph_buffers_keep_their_addresses"),
+        "new",
+    ),
+    Mutation(
+        "verify-never-runs",
+        "verify_cudagraph is ignored: no graph is checked against the eager forward",
+        (Edit("fdlite/graph/cudagraph_runner.py",
+              "            if verify:\n                self.verify(size, tolerance)\n",
+              "            if False:  # MUTATION\n                self.verify(size, tolerance)\n"),),
+        (f"{GRAPH}::test_verify_rejects_a_graph_that_ignores_new_inputs",),
+        "new",
+    ),
+    Mutation(
+        "negative-seed-abs",
+        "A negative seed is folded to abs(seed) instead of seed mod 2**64 (so -k and k collide)",
+        (Edit("fdlite/ops/random.py",
+              "np.asarray([seed % 2**64], np.uint64)",
+              "np.asarray([abs(seed)], np.uint64)"),),
+        ("tests/test_sampler.py::test_make_generator", "tests/test_seeded_sampling.py"),
+        "new",
+    ),
+    Mutation(
+        "kv-heads-replicated-not-split",
+        "With at least tp KV heads, every rank takes KV head 0 on (a replica) instead of its own share",
+        (Edit("fdlite/models/tp_partition.py",
+              "            num_kv, kv_start = kv // size, rank * (kv // size)\n",
+              "            num_kv, kv_start = kv // size, 0  # MUTATION\n"),),
+        ("tests/test_tensor_parallel.py::test_kv_heads_are_split_or_replicated",
+         "tests/test_tensor_parallel.py::test_tp2_greedy_is_token_identical_to_tp1",
+         "tests/test_tensor_parallel.py::test_partition_arithmetic"),
+        "new",
+    ),
+    Mutation(
+        "row-parallel-bias-dropped",
+        "Row-parallel layers (o_proj, down_proj) drop their bias, with any number of ranks",
+        (Edit("fdlite/models/parallel_linear.py",
+              "            y = tensor_parallel_all_reduce(y)\n        return y + self.bias if self.bias is not None else y\n",
+              "            y = tensor_parallel_all_reduce(y)\n        return y  # MUTATION\n"),),
+        ("tests/test_tensor_parallel.py::test_tp2_greedy_is_token_identical_to_tp1",),
+        "new",
+    ),
+    # ---- caught by the first check ----------------------------------------------------------------
+    Mutation(
+        "top-p-drops-crossing-token",
+        "top-p keeps only tokens whose cumulative mass stays below p, dropping the one that crosses it",
+        # Both places that apply top-p: the draw (a token is rejected when the mass strictly above it
+        # reaches p) and the reference distribution `probs` (mass strictly before each sorted token).
+        (Edit("fdlite/ops/sampler.py",
+              "        rejected = mass_above >= threshold[active[nucleus]]\n",
+              "        rejected = mass_above + sp[np.arange(len(nucleus)), picked[nucleus]] >= threshold[active[nucleus]]\n"),
+         Edit("fdlite/ops/sampler.py",
+              "            keep_sorted = before < sub.top_p[:, None]",
+              "            keep_sorted = before + sorted_w < sub.top_p[:, None]")),
+        ("tests/test_sampler.py",),
+        "caught",
+    ),
+    Mutation(
+        "stop-string-no-lookback",
+        "Stop strings are searched in the new text only, so one spanning two tokens is missed",
+        (Edit("fdlite/detokenizer.py",
+              "        self._stop_lookback = max((len(s) for s in self.stop), default=1) - 1\n",
+              "        self._stop_lookback = 0  # MUTATION\n"),),
+        ("tests/test_detokenizer.py", "tests/test_generate_api.py::test_stop_strings_after_min_tokens_cut_exactly"),
+        "caught",
+    ),
+    Mutation(
+        "free-head-first",
+        "Freed blocks are parked head first, so eviction strands the rest of a cached chain",
+        (Edit("fdlite/kvcache/block_allocator.py",
+              "        for block in reversed(block_table):\n",
+              "        for block in block_table:  # MUTATION\n"),),
+        ("tests/test_prefix_cache.py::test_lru_evicts_least_recently_freed_tails_first_and_only_when_needed",
+         "tests/test_prefix_cache.py::test_eviction_under_pressure_keeps_the_head_of_a_chain"),
+        "caught",
+    ),
+    Mutation(
+        "hash-chain-ignores-parent",
+        "A block's prefix-cache hash ignores the blocks before it (same tokens elsewhere share KV)",
+        (Edit("fdlite/kvcache/prefix_cache.py",
+              "hash_block(hashes[-1] if hashes else ROOT_HASH, ",
+              "hash_block(ROOT_HASH, "),),
+        ("tests/test_prefix_cache.py::test_hash_chain_names_the_whole_prefix",
+         "tests/test_prefix_cache.py::test_a_block_is_shared_only_behind_the_same_prefix"),
+        "caught",
+    ),
+    Mutation(
+        "resume-ignores-missing-newline",
+        "The resume scan accepts a last line without its newline (a write cut right before it)",
+        (Edit("fdlite/jobs/job_output.py",
+              "    if not raw.endswith(b\"\\n\"):\n        return None, \"no line end\"\n",
+              ""),),
+        ("tests/test_jobs_output.py::test_torn_last_line_is_cut_away",
+         "tests/test_jobs_run.py::test_sigkill_mid_write_then_rerun_gives_each_id_once_and_identical_output"),
+        "caught",
+    ),
+    Mutation(
+        "verify-replays-capture-inputs",
+        "The CUDA-graph self-check replays on the capture's own inputs, so a stale graph passes",
+        (Edit("fdlite/graph/cudagraph_runner.py",
+              "        batch = self.dummy_batch(size, seed=10_000 + size, worst_case=False)\n",
+              "        batch = self.dummy_batch(size, seed=size, worst_case=True)  # MUTATION\n"),),
+        (f"{GRAPH}::test_verify_rejects_a_graph_that_ignores_new_inputs",),
+        "caught",
+    ),
+    Mutation(
+        "buffer-write-makes-new-tensors",
+        "Each step writes the graph inputs into new tensors instead of the captured buffers",
+        (Edit("fdlite/runner/forward_buffers.py",
+              "        if self.host is not None:\n            self.host[start : start + len(values)] = values\n",
+              "        if self.host is not None:\n"
+              "            self.tensor = self.tensor.clone()  # MUTATION: a new tensor per write\n"
+              "            self.host = np.from_dlpack(self.tensor)\n"
+              "            self.host[start : start + len(values)] = values\n"),),
+        (f"{GRAPH}::test_graph_buffers_keep_their_addresses",
+         f"{GRAPH}::test_decode_graphs_give_identical_tokens",
+         f"{GRAPH}::test_padded_decode_graphs_give_identical_tokens"),
+        "caught",
+    ),
+)
+
+
+# ---- running -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    id: str
+    status: str  # caught, NOT CAUGHT, PATCH FAILED, NO TESTS, timeout, baseline
+    detail: str = ""
+    failed: list[str] = field(default_factory=list)
+    passed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("caught", "timeout")
+
+
+def repo_files(root: str) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         check=True, capture_output=True).stdout
+    return [f for f in out.decode().split("\0") if f and os.path.isfile(os.path.join(root, f))]
+
+
+def copy_repo(files: list[str], src: str, dst: str) -> None:
+    for f in files:
+        os.makedirs(os.path.dirname(os.path.join(dst, f)), exist_ok=True)
+        shutil.copy2(os.path.join(src, f), os.path.join(dst, f))
+
+
+def apply(mutation: Mutation, tree: str) -> str | None:
+    """Apply the edits in `tree`; return why they cannot be applied, or None."""
+    texts: dict[str, str] = {}
+    for edit in mutation.edits:
+        path = os.path.join(tree, edit.file)
+        if edit.file not in texts:
+            if not os.path.exists(path):
+                return f"{edit.file}: no such file"
+            with open(path, encoding="utf-8") as f:
+                texts[edit.file] = f.read()
+        found = texts[edit.file].count(edit.old)
+        if found != 1:
+            where = "not found" if found == 0 else f"found {found} times"
+            return f"{edit.file}: old text {where}: {edit.old.strip()[:80]!r}"
+        texts[edit.file] = texts[edit.file].replace(edit.old, edit.new)
+    for name, text in texts.items():
+        with open(os.path.join(tree, name), "w", encoding="utf-8") as f:
+            f.write(text)
+        if name.endswith(".py"):
+            try:
+                py_compile.compile(os.path.join(tree, name), doraise=True)
+            except py_compile.PyCompileError as e:
+                return f"{name}: the patched file does not compile: {e.msg.strip()[:200]}"
+    return None
+
+
+def node_id(case: ET.Element, tree: str) -> str:
+    """pytest's node id from a junit <testcase> (classname tests.test_x[.Class], name test_y[param])."""
+    parts = case.get("classname", "").split(".")
+    for i in range(len(parts), 0, -1):
+        path = "/".join(parts[:i]) + ".py"
+        if os.path.isfile(os.path.join(tree, path)):
+            return "::".join([path, *parts[i:], case.get("name", "")])
+    return f"{case.get('classname')}::{case.get('name')}"
+
+
+def run_tests(tree: str, tests: list[str], timeout: int, env: dict, fail_fast: bool) -> tuple[str, list[str], list[str], str]:
+    """Run `tests` in `tree`; return (outcome, failed ids, passed ids, output tail)."""
+    junit = os.path.join(tree, ".mutation-junit.xml")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *tests]
+    if fail_fast:
+        cmd.insert(4, "-x")
+    # Its own process group, so that a timeout also ends what the tests started (tensor-parallel launches).
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return "timeout", [], [], output[-2000:]
+    tail = output[-3000:]
+    failed, passed = [], []
+    if os.path.exists(junit):
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.append(node_id(case, tree))
+            elif case.find("skipped") is None:
+                passed.append(node_id(case, tree))
+    if proc.returncode in (4, 5) or (not failed and not passed):  # usage error / nothing collected
+        return "no tests", failed, passed, tail
+    if proc.returncode not in (0, 1):  # interrupted or internal error: count as failures pytest reported
+        failed = failed or [f"pytest exit code {proc.returncode}"]
+    return ("failed" if failed else "passed"), failed, passed, tail
+
+
+def check(mutation: Mutation, files: list[str], scratch: str, env: dict, timeout: int, fail_fast: bool,
+          keep: bool) -> Result:
+    tree = os.path.join(scratch, mutation.id)
+    copy_repo(files, ROOT, tree)
+    t0 = time.monotonic()
+    try:
+        problem = apply(mutation, tree)
+        if problem is not None:
+            return Result(mutation.id, "PATCH FAILED", problem)
+        outcome, failed, passed, tail = run_tests(tree, list(mutation.tests), timeout, {**env, "PYTHONPATH": tree},
+                                                  fail_fast)
+        status = {"failed": "caught", "passed": "NOT CAUGHT", "no tests": "NO TESTS", "timeout": "timeout"}[outcome]
+        detail = tail.strip().splitlines()[-1] if outcome in ("no tests", "timeout") and tail.strip() else ""
+        return Result(mutation.id, status, detail, failed, passed, time.monotonic() - t0)
+    finally:
+        if not keep:
+            shutil.rmtree(tree, ignore_errors=True)
+
+
+def baseline(mutations: list[Mutation], files: list[str], scratch: str, env: dict, timeout: int) -> Result:
+    """Every selected test on an unmodified copy: they must all pass for the verdicts to mean anything."""
+    tree = os.path.join(scratch, "baseline")
+    copy_repo(files, ROOT, tree)
+    probe = subprocess.run([sys.executable, "-c", "import fdlite; print(fdlite.__file__)"], cwd=tree,
+                           env={**env, "PYTHONPATH": tree}, capture_output=True, text=True)
+    if not probe.stdout.strip().startswith(tree):
+        sys.exit(f"mutation_check: the copy imports fdlite from {probe.stdout.strip() or probe.stderr.strip()}, "
+                 f"not from {tree}; run it with a Python whose fdlite is not pinned elsewhere")
+    tests = {t for m in mutations for t in m.tests}
+    tests = sorted(t for t in tests if t.split("::")[0] == t or t.split("::")[0] not in tests)  # a file covers its tests
+    t0 = time.monotonic()
+    outcome, failed, passed, tail = run_tests(tree, tests, timeout * 3, {**env, "PYTHONPATH": tree}, False)
+    shutil.rmtree(tree, ignore_errors=True)
+    status = "passed" if outcome == "passed" else "BASELINE FAILED"
+    return Result("baseline", status, "" if outcome == "passed" else tail.strip().splitlines()[-1], failed, passed,
+                  time.monotonic() - t0)
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+
+
+def short(test_id: str) -> str:
+    return test_id.replace("tests/", "", 1)
+
+
+def markdown(results: list[Result], base: Result | None, by_id: dict[str, Mutation], command: str,
+             machine: str, date: str, total_s: float) -> str:
+    lines = [
+        "# Mutation check",
+        "",
+        "Known bugs planted one at a time in a scratch copy of the repository, each run against the tests that "
+        "should catch it (`tools/mutation_check.py`, where every mutation is listed as data: file, old text, "
+        "new text, tests). Repeat it after a refactor; a mutation whose old text moved is reported as "
+        "PATCH FAILED and must be retargeted, not dropped.",
+        "",
+        f"- date: {date}",
+        f"- machine: {machine}",
+        f"- command: `{command}`",
+        f"- commit: {git_describe()}",
+        f"- wall time: {total_s / 60:.1f} min",
+    ]
+    if base is not None:
+        lines.append(f"- baseline (every selected test on the unmodified copy): {base.status}, "
+                     f"{len(base.passed)} passed, {len(base.failed)} failed ({base.seconds:.0f} s)")
+        lines += [f"  - failed without any mutation: `{short(t)}`" for t in base.failed]
+    caught = sum(r.ok for r in results)
+    lines += ["", f"**{caught} of {len(results)} mutations caught.**", "",
+              "| mutation | planted bug | first check (issue 11) | result | tests that failed / selected | time |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        m = by_id[r.id]
+        failing = ", ".join(f"`{short(t)}`" for t in r.failed) or "none"
+        count = f"{len(r.failed)}/{len(r.failed) + len(r.passed)}"
+        result = f"**{r.status}**" if not r.ok else r.status
+        if r.detail:
+            result += f" ({r.detail})"
+        lines.append(f"| `{r.id}` | {m.bug} | {m.first_check} | {result} | {count}: {failing} | {r.seconds:.0f} s |")
+    return "\n".join(lines) + "\n"
+
+
+def git_describe() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine_description() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {model}, {platform.system()}, Python {platform.python_version()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", action="append", metavar="ID", help="run this mutation (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per mutation run (default 900)")
+    parser.add_argument("--fail-fast", action="store_true", help="stop each run at its first failing test (faster; "
+                        "the report then shows only the first test that caught each mutation)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run on the unmodified copy")
+    parser.add_argument("--report", metavar="MD", help="write a markdown report here")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    parser.add_argument("--machine", help="machine description for the report (default: from /proc/cpuinfo)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    args = parser.parse_args(argv)
+
+    by_id = {m.id: m for m in MUTATIONS}
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.id:34} {m.bug}\n{'':34} tests: {', '.join(m.tests)}")
+        return 0
+    unknown = [i for i in args.only or [] if i not in by_id]
+    if unknown:
+        parser.error(f"unknown mutation id(s): {', '.join(unknown)} (see --list)")
+    selected = [by_id[i] for i in args.only] if args.only else list(MUTATIONS)
+
+    files = repo_files(ROOT)
+    scratch = tempfile.mkdtemp(prefix="fdlite-mutation-")
+    # One built-in model for every run (conftest would otherwise build it again in each).
+    env = {**os.environ, "FDLITE_CACHE": os.path.join(scratch, "fdlite-cache")}
+    env.pop("PYTHONPATH", None)
+    t_start = time.monotonic()
+    base = None
+    try:
+        if not args.no_baseline:
+            print(f"baseline: {len({t for m in selected for t in m.tests})} test selections on an unmodified copy ...",
+                  flush=True)
+            base = baseline(selected, files, scratch, env, args.timeout)
+            print(f"baseline: {base.status} ({len(base.passed)} passed, {len(base.failed)} failed, "
+                  f"{base.seconds:.0f} s)", flush=True)
+            for t in base.failed:
+                print(f"  failed without any mutation: {t}", flush=True)
+        results = []
+        for m in selected:
+            if sys.stdout.isatty():
+                print(f"{m.id}: ...", end="", flush=True)
+            r = check(m, files, scratch, env, args.timeout, args.fail_fast, args.keep)
+            results.append(r)
+            extra = f" by {short(r.failed[0])}" + (f" (+{len(r.failed) - 1} more)" if len(r.failed) > 1 else "") \
+                if r.status == "caught" else (f": {r.detail}" if r.detail else "")
+            print(f"\r{m.id}: {r.status}{extra} [{r.seconds:.0f} s]", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+        else:
+            print(f"scratch copies kept in {scratch}")
+    total = time.monotonic() - t_start
+
+    print()
+    width = max(len(r.id) for r in results)
+    for r in results:
+        print(f"{r.id:{width}}  {r.status}")
+    caught = sum(r.ok for r in results)
+    print(f"\n{caught} of {len(results)} mutations caught" + (f"; baseline {base.status}" if base else ""))
+    failed_patches = [r for r in results if r.status == "PATCH FAILED"]
+    if failed_patches:
+        print("\nPATCH FAILED: the code these mutations target has changed; retarget them in tools/mutation_check.py:")
+        for r in failed_patches:
+            print(f"  {r.id}: {r.detail}")
+
+    command = "python tools/mutation_check.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    date = datetime.date.today().isoformat()
+    machine = args.machine or machine_description()
+    if args.report:
+        with open(args.report, "w", encoding="utf-8") as f:
+            f.write(markdown(results, base, by_id, command.strip(), machine, date, total))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"date": date, "machine": machine, "command": command.strip(), "commit": git_describe(),
+                       "wall_time_s": round(total, 1),
+                       "baseline": None if base is None else vars(base),
+                       "mutations": [{**vars(r), "bug": by_id[r.id].bug, "first_check": by_id[r.id].first_check,
+                                      "tests": list(by_id[r.id].tests)} for r in results]}, f, indent=2)
+            f.write("\n")
+    all_ok = caught == len(results) and (base is None or base.status == "passed")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
