@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdlite.ops.gpu import build, noise, sampling_ref
+from fdlite.ops import random as noise
+from fdlite.ops.gpu import build, sampling_ref
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "fdlite" / "ops" / "csrc"
@@ -103,7 +104,7 @@ def test_noise_matches_pure_python_and_stays_in_open_interval():
     seeds = rng.integers(-(2**63), 2**63 - 1, 500, dtype=np.int64)
     pos = rng.integers(0, 1 << 40, 500)
     for rnd in (0, 1, 9):
-        got = noise.uniform(seeds, pos, rnd)
+        got = noise.uniforms(seeds, pos, rnd, np.float32)
         want = np.array([_uniform_py(int(s), int(p), rnd) for s, p in zip(seeds, pos)], np.float32)
         assert got.dtype == np.float32 and np.array_equal(got, want)
         assert np.all((got > 0) & (got < 1))
@@ -112,16 +113,18 @@ def test_noise_matches_pure_python_and_stays_in_open_interval():
 
 
 def test_noise_depends_on_seed_position_and_round_only():
-    a = noise.uniform([5, 5, 6, 6], [10, 11, 10, 11], 0)
+    a = noise.uniforms([5, 5, 6, 6], [10, 11, 10, 11], 0, np.float32)
     assert len(set(a.tolist())) == 4
-    assert noise.uniform(5, 10, 0) == a[0] and noise.uniform(5, 10, 1) != a[0]
+    assert noise.uniforms(5, 10, 0, np.float32) == a[0] and noise.uniforms(5, 10, 1, np.float32) != a[0]
+    # The CPU sampler's float64 uniform is the same 24 bits, before the kernel's float32 rounding.
+    assert np.allclose(noise.uniforms([5, 6], [10, 10], 0), a[[0, 2]], rtol=2**-23, atol=0)
 
 
 # --- the GPU sampler's reference vs fdlite's CPU sampler ------------------------------------
 
 def test_reference_thresholds_keep_what_the_cpu_sampler_keeps():
     paddle = pytest.importorskip("paddle")
-    from fdlite.ops.sampler import apply_top_k_top_p_min_p
+    from fdlite.ops.sampler import Sampler, SamplingBatch
 
     rng = np.random.default_rng(3)
     rows, vocab = 40, 3000
@@ -130,11 +133,15 @@ def test_reference_thresholds_keep_what_the_cpu_sampler_keeps():
     ks = rng.choice([0, 1, 7, 50, 2999, 5000], rows).tolist()
     ps = rng.choice([1.0, 0.95, 0.6, 0.1], rows).tolist()
     mps = rng.choice([0.0, 0.0, 0.1], rows).tolist()
-    cpu = apply_top_k_top_p_min_p(paddle.to_tensor(x), ks, ps, mps).numpy()
+    batch = SamplingBatch(temperature=np.ones(rows, np.float32), top_k=np.asarray(ks, np.int64),
+                          top_p=np.asarray(ps, np.float32), min_p=np.asarray(mps, np.float32),
+                          seeds=np.zeros(rows, np.uint64), positions=np.zeros(rows, np.int64),
+                          num_logprobs=np.full(rows, -1, np.int64))
+    cpu = Sampler().probs(paddle.to_tensor(x), batch).numpy()  # the CPU sampler's distribution, by a sort
     for r in range(rows):
         thr = sampling_ref.threshold(x[r], ks[r], ps[r], mps[r])
         kept_ref = x[r] >= thr
-        kept_cpu = np.isfinite(cpu[r])
+        kept_cpu = cpu[r] > 0
         assert np.array_equal(kept_ref, kept_cpu), f"row {r}: k={ks[r]} p={ps[r]} min_p={mps[r]}"
 
 

@@ -156,14 +156,14 @@ def test_padded_decode_graphs_give_identical_tokens(qwen3, monkeypatch):
 def test_a_replaced_static_buffer_is_caught_at_replay(graph_llm):
     """The eager stand-in binds its inputs at capture, as a real graph binds addresses: a buffer
     replaced by a new tensor (instead of written in place) fails the replay."""
-    buffers = graph_llm.runner.graph_runner.buffers
-    saved = buffers.input_ids
-    buffers.input_ids = saved.clone()
+    buffer = graph_llm.runner.graph_runner.buffers.input_ids
+    saved = buffer.tensor
+    buffer.tensor = saved.clone()
     try:
         with pytest.raises(RuntimeError, match=r"static graph inputs \['input_ids'\] are not the tensors captured"):
             graph_llm.generate(prompts(2), GREEDY, use_tqdm=False)
     finally:
-        buffers.input_ids = saved
+        buffer.tensor = saved
 
 
 def test_startup_order_sot_inside_capture_inside_allreduce_context(graph_llm):
@@ -243,7 +243,8 @@ def test_prefill_only_graphs_keyed_by_token_count(qwen3, eager_tokens, monkeypat
 def test_gpu_sizing_formula_through_the_startup_path(qwen3, monkeypatch):
     """Feed the profiling step measured-looking numbers, as a GPU would report them."""
     GiB = 1 << 30
-    readings = iter([DeviceMemory(8 * GiB, 1 * GiB, 1 * GiB),      # before the temporary cache
+    readings = iter([DeviceMemory(8 * GiB, 1 * GiB, 1 * GiB),      # profile_lengths: is there memory to measure?
+                     DeviceMemory(8 * GiB, 1 * GiB, 1 * GiB),      # before the temporary cache
                      DeviceMemory(8 * GiB, 1 * GiB + 2**20, 1 * GiB),  # with it
                      DeviceMemory(8 * GiB, 1 * GiB + 2**20, 2 * GiB)])  # after the dummy prefill
     monkeypatch.setattr(model_runner, "device_memory", lambda: next(readings))

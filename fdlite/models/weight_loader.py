@@ -26,8 +26,9 @@ import paddle
 from safetensors import safe_open
 
 from fdlite.models.decoder import DecoderForCausalLM
-from fdlite.models.parallel_linear import Linear
 from fdlite.models.tp_partition import TPPartition
+from fdlite.ops import platform
+from fdlite.ops.linear import Linear
 
 # Tensors some exporters write that carry nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -120,7 +121,8 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
     parts: dict[str, dict] = {name: {} for name in params}
 
     for file in weight_files(path):
-        with safe_open(file, framework="paddle") as f:
+        # Host tensors (device="cpu"): stacking, casting and transposing run on the CPU whatever the device.
+        with safe_open(file, framework="paddle", device="cpu") as f:
             for ckpt_name in f.keys():
                 if ckpt_name.endswith(_IGNORED_SUFFIXES):
                     continue
@@ -161,10 +163,10 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"missing tensor {shown}{more} in the weights of {path!r}")
 
+    fill = _fill_from_host if platform.is_gpu() else _fill
     with paddle.no_grad():
         for name, param in params.items():
-            _fill(param, parts.pop(name), transposed=name in linear_weights)
-    model.finalize_weights()
+            fill(param, parts.pop(name), transposed=name in linear_weights)
 
 
 def _fill(param: paddle.Tensor, got: dict, transposed: bool) -> None:
@@ -180,3 +182,12 @@ def _fill(param: paddle.Tensor, got: dict, transposed: bool) -> None:
         paddle.assign(value.t(), output=param)
     else:
         param.set_value(value)
+
+
+def _fill_from_host(param: paddle.Tensor, got: dict, transposed: bool) -> None:
+    """GPU: stack and transpose with Paddle's CPU kernels (the checkpoint tensors are host tensors), then one
+    host-to-device copy into the parameter. No GPU kernel of Paddle's runs: on the Hoppers they do nothing."""
+    value = got[None] if None in got else paddle.concat([got[p] for p in sorted(got)], axis=0)
+    if transposed:
+        value = value.t().contiguous()
+    param.set_value(value.numpy())  # bfloat16 travels as its uint16 bits, which Paddle reads back as bfloat16

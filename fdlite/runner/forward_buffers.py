@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from fdlite.ops import device_tensors
 from fdlite.ops.forward_meta import FlatBatch, ForwardMeta
 
 
@@ -22,7 +23,7 @@ class _Buffer:
     """One persistent tensor and, on CPU, a numpy view of its memory."""
 
     def __init__(self, size: int, dtype: str, fill: int = 0):
-        self.tensor = paddle.full([size], fill, dtype=dtype)
+        self.tensor = device_tensors.full([size], fill, dtype)
         self.host = np.from_dlpack(self.tensor) if self.tensor.place.is_cpu_place() else None
 
     def write(self, values: np.ndarray, start: int = 0) -> None:
@@ -31,13 +32,7 @@ class _Buffer:
         if self.host is not None:
             self.host[start : start + len(values)] = values
         else:
-            view = self.tensor[start : start + len(values)]
-            paddle.assign(paddle.to_tensor(np.ascontiguousarray(values, dtype=self.host_dtype), place=view.place),
-                          output=view)
-
-    @property
-    def host_dtype(self):
-        return {paddle.int64: np.int64, paddle.int32: np.int32}[self.tensor.dtype]
+            device_tensors.write_from_host(self.tensor[start : start + len(values)], values)
 
     def view(self, n: int, shape: list[int] | None = None) -> paddle.Tensor:
         v = self.tensor[:n]
@@ -77,7 +72,7 @@ class ForwardBuffers:
             slot_mapping=self.slot_mapping.view(t), token_rows=self.token_rows.view(t), positions=self.positions.view(t),
             block_tables=self.block_tables.view(b * width, [b, width]), seq_lens_kv=self.seq_lens_kv.view(b),
             cu_seqlens_q=self.cu_seqlens_q.view(b + 1), num_decodes=flat.num_decodes, block_size=self.block_size,
-            prefills=flat.prefills, caches=caches,
+            prefills=flat.prefills, caches=caches, max_q_len=flat.max_q_len,
         )
         return self.input_ids.view(t), self.positions.view(t), meta, self.logits_indices.view(len(flat.logits_indices))
 
@@ -118,6 +113,7 @@ class ForwardBuffers:
             block_tables=self.block_tables.view((self.max_rows + 1) * self.max_blocks, [self.max_rows + 1, self.max_blocks]),
             seq_lens_kv=self.seq_lens_kv.view(rows), cu_seqlens_q=self.cu_seqlens_q.view(rows + 1),
             num_decodes=size if decode else 0, block_size=self.block_size, prefills=None, caches=caches,
+            max_q_len=1 if decode else 0,
         )
         return self.input_ids.view(size), self.positions.view(size), meta
 

@@ -14,7 +14,7 @@ fine; column slices are not (split columns inside the kernels instead, as `rope_
 does for the fused qkv).
 
 `load()` registers the ops once per process: from $FDLITE_GPU_OPS_LIB, else from the on-disk build
-cache (fdlite.ops.gpu.build, compiled on first use). Not wired into the models yet.
+cache (fdlite.ops.gpu.build, compiled on first use). The models reach them through the CPU/GPU dispatch of `fdlite/ops/` (`CustomOp`).
 
 Cost: the checks are Python attribute reads on Paddle tensors (measured on the H100 machine's host
 with Paddle 2.6.2: an eager `rms_norm` call costs 56-113 us of wall time, against 1.8 us per op in a
@@ -282,7 +282,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
 
 
 def uniform(seeds, positions, round_: int = 0):
-    """The sampler's noise u(seed, position, round) as float32 [S] (noise.uniform on the GPU)."""
+    """The sampler's noise u(seed, position, round) as float32 [S] (fdlite.ops.random.uniforms, float32, on the GPU)."""
     _check(seeds, "seeds", ("int64",))
     _check(positions, "positions", ("int64",))
     return _run("fdl_uniform", seeds, positions, int(round_))[0]

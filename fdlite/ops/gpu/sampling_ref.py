@@ -4,7 +4,7 @@ Same rule as fdlite/ops/csrc/ops_sampling.cu, step for step, so tests (and a CPU
 wants the GPU's draws) can reproduce a token: x = logits / temperature (float32); the kept set is
 x >= max(top-k value, top-p cutoff, max x + log(min_p)) with fdlite.ops.sampler's semantics; masses
 are w = rint(exp(x - max x) * 2^44) as uint64; the token is the first (in vocabulary order) whose
-inclusive cumulative mass exceeds floor(u * Z), u = noise.uniform(seed, position, 0).
+inclusive cumulative mass exceeds floor(u * Z), u = ops.random.uniforms(seed, position, 0, float32).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from fdlite.ops.gpu.noise import uniform
+from fdlite.ops.random import uniforms
 
 SAMPLING_EPS = 1e-5
 _SCALE = np.float32(2.0**44)
@@ -70,7 +70,7 @@ def sample_row(row, temperature: float, top_k: int, top_p: float, min_p: float, 
     w = np.where(x >= thr, weights(x, x.max()), np.uint64(0))
     cum = np.cumsum(w, dtype=np.uint64)
     z = int(cum[-1])
-    u = float(uniform(seed, position, 0))
+    u = float(uniforms(seed, position, 0, np.float32))
     target = min(int(u * float(z)), z - 1)
     tok = int(np.searchsorted(cum, np.uint64(target), side="right"))
     if detail:
