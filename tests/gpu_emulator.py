@@ -41,6 +41,12 @@ def copy_(dst, src):
     _assign(dst, src.numpy().reshape(dst.shape))
 
 
+def copy_from_host(dst, values):
+    CALLS["copy_from_host"] += 1
+    assert values.size == int(np.prod(dst.shape)) and values.dtype == dst.numpy().dtype
+    _assign(dst, values.reshape(dst.shape))
+
+
 def gather_rows(src, index, offset=0, out=None):
     CALLS["gather_rows"] += 1
     s, idx = src.numpy(), index.numpy().astype(np.int64) - offset
@@ -160,7 +166,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     return paddle.to_tensor(np.asarray(ids, np.int64))
 
 
-OPS = ("fill_", "copy_", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
+OPS = ("fill_", "copy_", "copy_from_host", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
        "rope_qk_norm_cache", "paged_attention", "lm_head_logits", "argmax", "sample")
 
 

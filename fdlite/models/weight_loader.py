@@ -20,8 +20,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import struct
 from dataclasses import dataclass
 
+import numpy as np
 import paddle
 from safetensors import safe_open
 
@@ -97,15 +99,34 @@ def route(name: str, model: DecoderForCausalLM) -> Route:
     return Route(name, None)
 
 
-def _read(f, name: str, r: Route) -> paddle.Tensor:
+def _read(f, name: str, r: Route, file: str) -> paddle.Tensor:
     """This rank's part of `name`: only those bytes are read from the file."""
-    if r.axis is None or (r.start, r.stop) == (0, r.full):
+    whole = r.axis is None or (r.start, r.stop) == (0, r.full)
+    if f.get_slice(name).get_dtype() == "BF16" and not hasattr(paddle.base.core, "frombuffer"):
+        return _read_bf16_bits(file, name, None if whole else r)
+    if whole:
         return f.get_tensor(name)
     part = f.get_slice(name)
     index = (slice(r.start, r.stop),) if r.axis == 0 else (slice(None), slice(r.start, r.stop))
     # A copy: with safetensors 0.8 and Paddle 3.3.1, two live slices of one tensor abort the process at
     # exit ("The deleter of the pointer is not found", measured); a copy owns its memory.
     return part[index].clone()
+
+
+def _read_bf16_bits(file: str, name: str, r: Route | None) -> paddle.Tensor:
+    """A bfloat16 tensor read as its uint16 bits, which Paddle takes back as bfloat16.
+
+    safetensors builds Paddle tensors through numpy when Paddle has no `core.frombuffer` (Paddle 2.6), and
+    numpy has no bfloat16 ("data type 'bfloat16' not understood"); the file format is simple enough to read
+    directly: an 8-byte header length, a JSON header with each tensor's byte range, then the data."""
+    with open(file, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        info = json.loads(fh.read(n))[name]
+    start, end = info["data_offsets"]
+    bits = np.fromfile(file, dtype="<u2", count=(end - start) // 2, offset=8 + n + start).reshape(info["shape"])
+    if r is not None:
+        bits = bits[r.start : r.stop] if r.axis == 0 else bits[:, r.start : r.stop]
+    return paddle.to_tensor(np.ascontiguousarray(bits), place=paddle.CPUPlace())
 
 
 def load_weights(model: DecoderForCausalLM, path: str) -> None:
@@ -146,7 +167,7 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
                         f"tensor {ckpt_name!r} in {os.path.basename(file)} has shape {shape}, "
                         f"expected {expected} from config.json"
                     )
-                tensor = _read(f, ckpt_name, r)
+                tensor = _read(f, ckpt_name, r, file)
                 if tensor.dtype != param.dtype:
                     tensor = tensor.astype(param.dtype)
                 if r.piece is None and r.axis is not None and tensor.shape[r.axis] < local[r.axis]:

@@ -40,15 +40,13 @@ def fill_(dst: paddle.Tensor, value) -> None:
 
 def write_from_host(dst: paddle.Tensor, values: np.ndarray) -> None:
     """dst[...] = values (same number of elements; dst contiguous, e.g. a leading-rows view)."""
-    dtype = str(dst.dtype).replace("paddle.", "")
-    src = paddle.to_tensor(np.ascontiguousarray(values, dtype=_NP_DTYPES[dtype]).reshape(dst.shape),
-                           place=paddle.CPUPlace())
+    array = np.ascontiguousarray(values, dtype=_NP_DTYPES[str(dst.dtype).replace("paddle.", "")]).reshape(dst.shape)
     if not platform.is_gpu():
-        paddle.assign(src, output=dst)
+        paddle.assign(paddle.to_tensor(array, place=paddle.CPUPlace()), output=dst)
         return
     from fdlite.ops import gpu as gpu_ops  # noqa: PLC0415
 
-    gpu_ops.copy_(dst, src)
+    gpu_ops.copy_from_host(dst, array)
 
 
 def to_numpy_f32(t: paddle.Tensor) -> np.ndarray:

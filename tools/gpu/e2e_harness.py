@@ -36,7 +36,8 @@ ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput"
 ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/fdl_e2e_out")
 ap.add_argument("--models", default="/tmp/fdl_e2e_models")
 ap.add_argument("--quick", action="store_true")
-ap.add_argument("--families", default="qwen2,qwen3,llama")
+ap.add_argument("--families", default="qwen2,qwen3,llama", help="fp32 parity families ('' for none)")
+ap.add_argument("--skip-bf16", action="store_true")
 ARGS = ap.parse_args()
 os.makedirs(ARGS.out, exist_ok=True)
 RES: dict = {"section": ARGS.section, "results": {}, "errors": []}
@@ -133,11 +134,12 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new: int, dtype: str):
     return toks, gaps
 
 
-def hf_prefill_logprobs(path: str, prompts: list[list[int]]):
+def hf_prefill_logprobs(path: str, prompts: list[list[int]], dtype: str = "float32"):
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(HF_DEVICE).eval()
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=tdt).to(HF_DEVICE).eval()
     out = []
     with torch.no_grad():
         for ids in prompts:
@@ -202,43 +204,51 @@ def parity_case(family: str) -> dict:
 
 
 def bf16_case(family: str) -> dict:
-    """bf16 prefill logprobs vs the fp32 reference, and greedy agreement with transformers bf16."""
+    """bf16 prefill logprobs vs the fp32 reference, measured against transformers' own bf16 error on the
+    same tokens (the tolerance bf16 allows on this model); greedy agreement with transformers bf16."""
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
 
     path = small_model(family)
     prompts = mixed_prompts(16, seed=7, vocab=1024, max_len=300)
-    ref_lp = hf_prefill_logprobs(path, prompts)
+    ref32 = hf_prefill_logprobs(path, prompts, "float32")
+    ref16 = hf_prefill_logprobs(path, prompts, "bfloat16")
     llm = LLM(path, device=FDL_DEVICE, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=16, block_size=16,
               max_model_len=1024, num_gpu_blocks_override=400)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)
-    errs = []
-    for o, ref in zip(outs, ref_lp):
+    ours, hfs = [], []
+    for o, r32, r16 in zip(outs, ref32, ref16):
         lp = o.outputs[0].logprobs[0]
         ids = np.asarray(list(lp), np.int64)
-        got = np.asarray([lp[t].logprob for t in lp])
-        errs.append(float(np.max(np.abs(got - ref[ids]))))
+        ours.append(float(np.max(np.abs(np.asarray([lp[t].logprob for t in lp]) - r32[ids]))))
+        hfs.append(float(np.max(np.abs(r16[ids] - r32[ids]))))
     max_new = 16
-    ref, gaps = hf_greedy(path, prompts, max_new, "bfloat16")
+    ref, _ = hf_greedy(path, prompts, max_new, "bfloat16")
+    ref_fp32, _ = hf_greedy(path, prompts, max_new, "float32")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True), use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
-    agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r))
-    # tokens up to each sequence's first divergence, over all tokens
-    prefix = [next((k for k in range(len(r)) if g[k] != r[k]), len(r)) for g, r in zip(got, ref)]
+
+    def rates(a, b):
+        same = sum(x == y for g, r in zip(a, b) for x, y in zip(g, r)) / (len(a) * max_new)
+        before = sum(next((k for k in range(len(r)) if g[k] != r[k]), len(r)) for g, r in zip(a, b)) / (len(a) * max_new)
+        return {"identical_sequences": sum(g == r for g, r in zip(a, b)), "tokens_before_first_divergence": before,
+                "tokens_equal_positionwise": same}
+
     del llm
-    return {"prefill_logprob_max_abs_err_vs_fp32": max(errs), "prefill_logprob_errs": errs,
-            "tolerance": 0.1, "pass": max(errs) < 0.1,
-            "bf16_greedy_identical_sequences": sum(g == r for g, r in zip(got, ref)), "sequences": len(got),
-            "bf16_greedy_token_agreement_before_first_divergence": sum(prefix) / (len(got) * max_new),
-            "bf16_greedy_tokens_equal_positionwise": agree / (len(got) * max_new)}
+    tol = 2 * max(hfs) + 1e-3
+    return {"prefill_logprob_max_abs_err_vs_fp32": max(ours), "transformers_bf16_max_abs_err_vs_fp32": max(hfs),
+            "tolerance(2x transformers bf16 + 1e-3)": tol, "pass": max(ours) <= tol, "errs_ours": ours, "errs_hf_bf16": hfs,
+            "sequences": len(got), "fdlite_bf16_vs_transformers_bf16": rates(got, ref),
+            "transformers_bf16_vs_transformers_fp32 (context)": rates(ref, ref_fp32),
+            "fdlite_bf16_vs_transformers_fp32": rates(got, ref_fp32)}
 
 
 def section_parity():
-    fams = ARGS.families.split(",")
+    fams = [f for f in ARGS.families.split(",") if f]
     for fam in fams:
         run(f"fp32_greedy_{fam}", lambda f=fam: parity_case(f))
-    if FDL_DEVICE == "gpu":  # no bfloat16 matmul on Paddle's CPU
+    if FDL_DEVICE == "gpu" and not ARGS.skip_bf16:  # no bfloat16 matmul on Paddle's CPU
         for fam in ("qwen3", "llama"):
             run(f"bf16_{fam}", lambda f=fam: bf16_case(f))
 
@@ -373,6 +383,11 @@ def section_throughput():
         weight_bytes = sum(int(np.prod(p.shape)) * 2 for p in runner.model.parameters())
         kv_per_token = 2 * cfg.num_hidden_layers * runner.tp.num_kv_heads * cfg.head_dim * 2
         rng = np.random.default_rng(0)
+        from fdlite.ops import gpu as gpu_ops  # noqa: PLC0415
+
+        capi = gpu_ops.capi()
+        stream = gpu_ops.current_stream_handle()
+        ev = [capi.fdl_event_create(), capi.fdl_event_create()]
         out = {}
         for b in (1, 16, 64, 256):
             tables = (np.arange(b * nb, dtype=np.int32).reshape(b, nb)) % llm.num_blocks
@@ -393,6 +408,18 @@ def section_throughput():
                     runner.sampler(runner.forward(flat, use_graphs=graphs), sb)  # ids reach the host: synchronised
                     times.append(time.perf_counter() - t)
                 row["graph_ms" if graphs else "eager_ms"] = round(float(np.median(times[5:])) * 1e3, 3)
+            # GPU time of the captured model body alone (our cudaEvents on Paddle's stream; Paddle 2.6's
+            # Event.elapsed_time is a stub): what the step costs beyond it is the LM head, the sampler and host work.
+            gr = runner.graph_runner
+            size = gr.size_for(flat)
+            gr._write(flat, size)
+            gpu = []
+            for i in range(25):
+                capi.fdl_event_record(ev[0], stream)
+                gr.graphs[size].replay()
+                capi.fdl_event_record(ev[1], stream)
+                gpu.append(capi.fdl_event_elapsed_ms(ev[0], ev[1]))
+            row["graph_replay_gpu_ms"] = round(float(np.median(gpu[5:])), 3)
             roof = (weight_bytes + b * ctx * kv_per_token) / 3.0e12
             row["roofline_ms"] = round(roof * 1e3, 3)
             row["bytes_read_MB"] = round((weight_bytes + b * ctx * kv_per_token) / 1e6, 1)

@@ -44,9 +44,12 @@ import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     d = json.loads(f.read_text())
     for case, r in d.get("results", {}).items():
-        keep = {k: v for k, v in r.items() if k not in ("startup", "prefill_logprob_errs", "trace")}
+        keep = {k: v for k, v in r.items() if k not in ("startup", "errs_ours", "errs_hf_bf16", "trace")}
         print(f"{case}: {json.dumps(keep, default=str)[:600]}")
     for e in d.get("errors", []):
         print(f"ERROR {e['case']}: {e['error'][:400]}")
 PY
+if [[ -f "$OUT/throughput.json" ]]; then
+  python3 tools/gpu/plot_step_times.py "$OUT/throughput.json" "$OUT/decode_step_times.png" 2>&1 | tee -a "$LOG"
+fi
 exit $rc
