@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,18 @@ def unknown_key_error(kind: str, key: str, known: list[str]) -> ValueError:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return ValueError(f"unknown {kind} '{key}'{hint}")
+
+
+_DEVICE_RE = re.compile(r"^(cpu|gpu)(:\d+)?$")
+
+
+def parse_device(device: str | None) -> str | None:
+    """A `device` value ("cpu", "gpu", "gpu:N", any case) normalised, or None; anything else is an error."""
+    if device is None:
+        return None
+    if not isinstance(device, str) or not _DEVICE_RE.match(device.strip().lower()):
+        raise ValueError(f"device must be 'cpu', 'gpu' or 'gpu:N' (or None for Paddle's current device), got {device!r}")
+    return device.strip().lower()
 
 
 @dataclass
@@ -89,6 +102,10 @@ class EngineConfig:
     tokenizer: str | None = _opt(None, "Tokenizer folder; defaults to the model folder.")
     skip_tokenizer_init: bool = _opt(False, "Load no tokenizer: prompts must be token ids and outputs have no text.")
     dtype: str = _opt("auto", "Weight/activation dtype: auto (from config.json), float32, bfloat16 or float16.")
+    device: str | None = _opt(
+        None, "Device to compute on: cpu, gpu or gpu:N (default: Paddle's current device, as paddle.set_device left "
+        "it). gpu runs fdlite's own CUDA kernels (built on first use), never Paddle's built-in GPU kernels."
+    )
     max_model_len: int | None = _opt(
         None, "Longest sequence (prompt + output) in tokens (default: the model's context length, i.e. its "
         "max_position_embeddings, times a linear/dynamic/YaRN rope-scaling factor as in vLLM, lowered to what the KV "
@@ -156,6 +173,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        self.device = parse_device(self.device)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         # Options left unset and filled in here; `resolve_max_model_len` fills them in again.

@@ -1,9 +1,9 @@
 """The GPU-only calls for CUDA graphs, kept in one thin module: capture and replay.
 
 Written against the Paddle API (`paddle.device.cuda.graphs.CUDAGraph`), the same in 2.6 and 3.x.
-Not run in this repository's tests: no Paddle GPU build computes on the GPUs the project can reach
-(see README). Everything that calls into this module is tested on CPU through `EagerReplayGraph`,
-which has the same interface.
+Run on the lent H100 by tools/gpu/e2e_harness.py (Paddle 2.6.2 capturing fdlite's own kernels); the
+CPU tests reach everything that calls into this module through `EagerReplayGraph`, which has the
+same interface.
 """
 
 from __future__ import annotations
@@ -12,9 +12,20 @@ from typing import Callable
 
 import paddle
 
+from fdlite.ops.platform import is_gpu
+
 
 def cuda_graphs_available() -> bool:
-    return paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu")
+    return is_gpu()
+
+
+def graphs_share_pool() -> bool:
+    """Whether this Paddle lets captured graphs share one memory pool (3.x: yes; 2.6: no pool id)."""
+    import inspect  # noqa: PLC0415
+
+    from paddle.device.cuda.graphs import CUDAGraph  # noqa: PLC0415
+
+    return "pool_id" in inspect.signature(CUDAGraph.__init__).parameters
 
 
 class CudaGraph:
@@ -25,9 +36,12 @@ class CudaGraph:
     def __init__(self) -> None:
         from paddle.device.cuda.graphs import CoreCUDAGraph, CUDAGraph
 
-        if CudaGraph._pool_id is None:
-            CudaGraph._pool_id = CoreCUDAGraph.gen_new_memory_pool_id()
-        self._graph = CUDAGraph(pool_id=CudaGraph._pool_id)
+        if graphs_share_pool():
+            if CudaGraph._pool_id is None:
+                CudaGraph._pool_id = CoreCUDAGraph.gen_new_memory_pool_id()
+            self._graph = CUDAGraph(pool_id=CudaGraph._pool_id)
+        else:  # Paddle 2.6: no shared pool in its Python API; each graph keeps its own
+            self._graph = CUDAGraph()
         self.output = None
 
     def capture(self, fn: Callable[[], paddle.Tensor], static_inputs=None) -> paddle.Tensor:

@@ -27,6 +27,7 @@ from fdlite.graph.cuda import CudaGraph, cuda_graphs_available
 from fdlite.graph.eager_replay import EagerReplayGraph
 from fdlite.graph.capture_sizes import padded_size, worst_case_prefill_split
 from fdlite.graph.static_graph import translation_count
+from fdlite.ops.device_tensors import to_numpy_f32
 from fdlite.ops.forward_meta import FlatBatch
 
 if TYPE_CHECKING:  # graph/ does not import the runner: it is handed the buffers
@@ -138,8 +139,8 @@ class CudaGraphRunner:
         """Replay the graph of `size` on new inputs (another split) and compare with the eager forward."""
         batch = self.dummy_batch(size, seed=10_000 + size, worst_case=False)
         self._write(batch, size)
-        got = self.graphs[size].replay().astype("float32").numpy()
-        want = self._forward(size, dynamic=True).astype("float32").numpy()
+        got = to_numpy_f32(self.graphs[size].replay())
+        want = to_numpy_f32(self._forward(size, dynamic=True))
         err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
         if not np.isfinite(got).all() or err > tolerance:
             raise RuntimeError(

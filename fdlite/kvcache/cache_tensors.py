@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import paddle
+
+from fdlite.ops import device_tensors
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 POISON_VALUE = 3.0e4  # finite in float16 too
@@ -39,16 +40,26 @@ class KVCache:
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: str) -> KVCache:
         shape = [num_blocks + 1, kv_heads, block_size, head_dim]
-        caches = [(paddle.zeros(shape, dtype=dtype), paddle.zeros(shape, dtype=dtype)) for _ in range(num_layers)]
+        caches = [(device_tensors.full(shape, 0, dtype), device_tensors.full(shape, 0, dtype)) for _ in range(num_layers)]
         return cls(num_blocks, block_size, caches)
 
     def poison_blocks(self, blocks: list[int]) -> None:
         """Debug: make `blocks` unreadable (NaN keys, huge values) until they are written again."""
         if not blocks:
             return
-        index = paddle.to_tensor(np.asarray(blocks, dtype=np.int64))
+        blocks = sorted(blocks)
         for k, v in self.caches:
-            flat_k, flat_v = k.reshape([k.shape[0], -1]), v.reshape([v.shape[0], -1])  # views: one row per block
-            shape = [len(blocks), flat_k.shape[1]]
-            paddle.scatter_(flat_k, index, paddle.full(shape, float("nan"), dtype=k.dtype), overwrite=True)
-            paddle.scatter_(flat_v, index, paddle.full(shape, POISON_VALUE, dtype=v.dtype), overwrite=True)
+            for start, stop in _runs(blocks):  # a run of blocks is a leading-axis slice: a contiguous view
+                device_tensors.fill_(k[start:stop], float("nan"))
+                device_tensors.fill_(v[start:stop], POISON_VALUE)
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Sorted block ids as [start, stop) runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs

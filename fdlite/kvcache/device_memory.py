@@ -10,9 +10,7 @@ from dataclasses import dataclass
 
 import paddle
 
-
-def on_gpu() -> bool:
-    return paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu")
+from fdlite.ops.platform import is_gpu as on_gpu
 
 
 @dataclass

@@ -26,16 +26,21 @@ class MemoryProfile:
     profile_tokens: int       # tokens in the profiling forward
 
 
-def graph_reserve_bytes(profile: MemoryProfile, largest_capture_tokens: int, num_graphs: int) -> int:
+def graph_reserve_bytes(profile: MemoryProfile, largest_capture_tokens: int, num_graphs: int,
+                        pooled_capture_tokens: int | None = None) -> int:
     """Memory the CUDA graphs will hold: one shared activation pool sized for the largest graph.
 
     Activations grow with the token count, so the pool is the profiling run's activation peak scaled to
     the largest captured size (never more than the peak itself), plus a fixed overhead per graph.
+    Where graphs cannot share a pool (Paddle 2.6's CUDAGraph takes no pool id), each holds its own:
+    pass `pooled_capture_tokens`, the sum of all captured sizes, and the scale follows that sum.
     """
     if num_graphs == 0:
         return 0
     activations = max(0, profile.peak_during - profile.allocated_before)
     scale = min(1.0, largest_capture_tokens / max(1, profile.profile_tokens))
+    if pooled_capture_tokens is not None:
+        scale = pooled_capture_tokens / max(1, profile.profile_tokens)
     return int(activations * scale) + num_graphs * GRAPH_OVERHEAD_BYTES
 
 

@@ -12,6 +12,9 @@ names, which `support_graph_optimization` relies on) and returns hidden states p
 With tensor parallelism (`TPPartition`) each rank builds the same layers at its own sizes: its
 attention and KV heads, its MLP columns, its vocabulary rows (parallel_linear.py, vocab_parallel.py).
 With one rank they are the whole model and no collective runs.
+
+The model never branches on the device: every op it calls (`fdlite/ops/`: linear, embedding, norms,
+attention, activation, logits) chose its CPU or GPU implementation when it was built.
 """
 
 from __future__ import annotations
@@ -22,19 +25,17 @@ import paddle
 from paddle import nn
 
 from fdlite.graph.decorator import support_graph_optimization
-from fdlite.graph.graph_break import opaque_to_sot
 from fdlite.models.model_config import ModelConfig
 from fdlite.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from fdlite.models.tp_partition import TPPartition
-from fdlite.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_vocab
-from fdlite.ops.activation import silu_and_mul
-from fdlite.ops.attention import paged_attention as _paged_attention
+from fdlite.models.vocab_parallel import ParallelLMHead
+from fdlite.ops.activation import SiluAndMul
+from fdlite.ops.attention_layer import Attention
+from fdlite.ops.embedding import VocabParallelEmbedding
 from fdlite.ops.forward_meta import ForwardMeta
+from fdlite.ops.logits import LogitsProcessor
 from fdlite.ops.norm import RMSNorm
 from fdlite.ops.rotary import RotaryEmbedding
-
-# Attention reads per-step Python batch structure; SOT must not translate it (see graph_break.py).
-paged_attention = opaque_to_sot(_paged_attention)
 
 
 @dataclass(frozen=True)
@@ -47,42 +48,31 @@ class DecoderAttention(nn.Layer):
     def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, max_positions: int,
                  tp: TPPartition):
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = tp.num_heads, tp.num_kv_heads, cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+        num_heads, num_kv_heads, head_dim = tp.num_heads, tp.num_kv_heads, cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (num_heads + 2 * num_kv_heads) * head_dim,
                                              spec.qkv_bias or cfg.attention_bias, dtype)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.attention_bias, dtype, tp.size)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, cfg.hidden_size, cfg.attention_bias, dtype, tp)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(self.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        rotary = RotaryEmbedding(head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, layer_id, rotary, self.q_norm, self.k_norm)
 
     def forward(self, positions: paddle.Tensor, hidden: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
-        qkv = self.qkv_proj(hidden)
-        q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
-        q = q.reshape([-1, self.num_heads, self.head_dim])
-        k = k.reshape([-1, self.num_kv_heads, self.head_dim])
-        v = v.reshape([-1, self.num_kv_heads, self.head_dim])
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = meta.caches[self.layer_id]
-        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+        return self.o_proj(self.attn(self.qkv_proj(hidden), positions, meta))
 
 
 class DecoderMLP(nn.Layer):
     def __init__(self, cfg: ModelConfig, dtype: str, tp: TPPartition):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * tp.intermediate_size, cfg.mlp_bias, dtype)
-        self.down_proj = RowParallelLinear(tp.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, tp.size)
+        self.down_proj = RowParallelLinear(tp.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, tp)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Layer):
@@ -94,9 +84,17 @@ class DecoderLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = DecoderMLP(cfg, dtype, tp)
 
-    def forward(self, positions, hidden, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, meta):
+        """(hidden, residual) -> (hidden, residual): the residual add is fused into the next norm (vLLM's
+        layout), so the stream of residual sums is carried between layers instead of added in each."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 @support_graph_optimization
@@ -105,16 +103,18 @@ class DecoderModel(nn.Layer):
 
     def __init__(self, cfg: ModelConfig, spec: DecoderSpec, dtype: str, max_positions: int, tp: TPPartition):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.hidden_size, dtype, tp)
+        self.embed_tokens = VocabParallelEmbedding(cfg.hidden_size, dtype, tp.vocab_per_rank, tp.rank, tp.size)
         self.layers = nn.LayerList([DecoderLayer(cfg, spec, i, dtype, max_positions, tp)
                                     for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, ids_remove_padding: paddle.Tensor, positions: paddle.Tensor, forward_meta: ForwardMeta):
         hidden = self.embed_tokens(ids_remove_padding)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, forward_meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, forward_meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class DecoderForCausalLM(nn.Layer):
@@ -131,27 +131,12 @@ class DecoderForCausalLM(nn.Layer):
         with paddle.LazyGuard():
             self.model = DecoderModel(cfg, self.spec, dtype, max_positions, self.tp)
             self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, dtype, self.tp)
-        # Tied head on CPU: a transposed copy of the embedding (see module docstring); on GPU the
-        # matmul reads the embedding transposed for free.
-        self._tied_head_t: paddle.Tensor | None = None
-
-    def finalize_weights(self) -> None:
-        """Called once after loading."""
-        if self.lm_head is None and paddle.get_device() == "cpu":
-            self._tied_head_t = self.model.embed_tokens.weight.t().contiguous()
+        self.logits_processor = LogitsProcessor(self.lm_head, self.model.embed_tokens, self.tp)
 
     def forward(self, ids_remove_padding, positions, forward_meta):
         return self.model(ids_remove_padding=ids_remove_padding, positions=positions, forward_meta=forward_meta)
 
-    def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        """Logits over the whole vocabulary, float32 (every rank takes part in the gather)."""
-        return gather_vocab(self._local_logits(hidden), self.tp).astype("float32")
-
-    def _local_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        if self.lm_head is not None:
-            logits = self.lm_head(hidden)
-        elif self._tied_head_t is not None:
-            logits = paddle.matmul(hidden, self._tied_head_t)
-        else:
-            logits = paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
-        return logits
+    def compute_logits(self, hidden: paddle.Tensor, logits_indices: paddle.Tensor) -> paddle.Tensor:
+        """Float32 logits over the whole vocabulary for the rows `logits_indices` of `hidden` (every rank
+        takes part in the gather)."""
+        return self.logits_processor(hidden, logits_indices)

@@ -1,31 +1,18 @@
-"""Linear layers, whole or split across tensor-parallel ranks (Megatron's column/row pairing).
+"""Linear layers split across tensor-parallel ranks (Megatron's column/row pairing).
 
-Weights are stored [in, out] (Paddle's CPU matmul pays a full copy for `transpose_y`; the loader
-transposes Hugging Face's [out, in] once). A column-parallel layer holds a slice of the output
-columns and needs no communication; the row-parallel layer after it holds the matching slice of the
-input rows, so its matmul yields a partial sum that one all-reduce completes. Attention (qkv ->
-o_proj) and the MLP (gate_up -> down) thus cost one all-reduce each per layer.
+A column-parallel layer holds a slice of the output columns and needs no communication; the
+row-parallel layer after it holds the matching slice of the input rows, so its matmul yields a
+partial sum that one all-reduce completes. Attention (qkv -> o_proj) and the MLP (gate_up -> down)
+thus cost one all-reduce each per layer. The matmul itself is the device's (`fdlite.ops.linear`).
 """
 
 from __future__ import annotations
 
 import paddle
-from paddle import nn
 
 from fdlite.distributed.communicator import tensor_parallel_all_reduce
-
-
-class Linear(nn.Layer):
-    """y = x @ W (+ b) with W stored [in, out]."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str):
-        super().__init__()
-        self.weight = self.create_parameter([in_features, out_features], dtype=dtype)
-        self.bias = self.create_parameter([out_features], dtype=dtype, is_bias=True) if bias else None
-
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        y = paddle.matmul(x, self.weight)
-        return y + self.bias if self.bias is not None else y
+from fdlite.ops.linear import Linear
+from fdlite.models.tp_partition import TPPartition
 
 
 class ColumnParallelLinear(Linear):
@@ -37,14 +24,23 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """This rank's input rows: a partial product, summed over ranks; the bias is added once, after the sum."""
+    """This rank's input rows: a partial product, summed over ranks, the bias counted once.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, tp_size: int):
+    CPU adds the bias after the sum; GPU lets rank 0 add it in the GEMM epilogue before the sum (no
+    extra kernel), which is the same value: the bias enters the all-reduce from one rank only.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, tp: TPPartition):
         super().__init__(in_features, out_features, bias, dtype)
-        self.tp_size = tp_size
+        self.tp_size, self.tp_rank = tp.size, tp.rank
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        y = paddle.matmul(x, self.weight)
-        if self.tp_size > 1:
-            y = tensor_parallel_all_reduce(y)
+    def forward_cpu(self, x: paddle.Tensor) -> paddle.Tensor:
+        y = super().forward_cpu(x, add_bias=self.tp_size == 1)
+        if self.tp_size == 1:
+            return y
+        y = tensor_parallel_all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+    def forward_gpu(self, x: paddle.Tensor) -> paddle.Tensor:
+        y = super().forward_gpu(x, add_bias=self.tp_rank == 0)
+        return tensor_parallel_all_reduce(y) if self.tp_size > 1 else y

@@ -20,14 +20,17 @@ from __future__ import annotations
 import glob
 import json
 import os
+import struct
 from dataclasses import dataclass
 
+import numpy as np
 import paddle
 from safetensors import safe_open
 
 from fdlite.models.decoder import DecoderForCausalLM
-from fdlite.models.parallel_linear import Linear
 from fdlite.models.tp_partition import TPPartition
+from fdlite.ops import platform
+from fdlite.ops.linear import Linear
 
 # Tensors some exporters write that carry nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -96,15 +99,34 @@ def route(name: str, model: DecoderForCausalLM) -> Route:
     return Route(name, None)
 
 
-def _read(f, name: str, r: Route) -> paddle.Tensor:
+def _read(f, name: str, r: Route, file: str) -> paddle.Tensor:
     """This rank's part of `name`: only those bytes are read from the file."""
-    if r.axis is None or (r.start, r.stop) == (0, r.full):
+    whole = r.axis is None or (r.start, r.stop) == (0, r.full)
+    if f.get_slice(name).get_dtype() == "BF16" and not hasattr(paddle.base.core, "frombuffer"):
+        return _read_bf16_bits(file, name, None if whole else r)
+    if whole:
         return f.get_tensor(name)
     part = f.get_slice(name)
     index = (slice(r.start, r.stop),) if r.axis == 0 else (slice(None), slice(r.start, r.stop))
     # A copy: with safetensors 0.8 and Paddle 3.3.1, two live slices of one tensor abort the process at
     # exit ("The deleter of the pointer is not found", measured); a copy owns its memory.
     return part[index].clone()
+
+
+def _read_bf16_bits(file: str, name: str, r: Route | None) -> paddle.Tensor:
+    """A bfloat16 tensor read as its uint16 bits, which Paddle takes back as bfloat16.
+
+    safetensors builds Paddle tensors through numpy when Paddle has no `core.frombuffer` (Paddle 2.6), and
+    numpy has no bfloat16 ("data type 'bfloat16' not understood"); the file format is simple enough to read
+    directly: an 8-byte header length, a JSON header with each tensor's byte range, then the data."""
+    with open(file, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        info = json.loads(fh.read(n))[name]
+    start, end = info["data_offsets"]
+    bits = np.fromfile(file, dtype="<u2", count=(end - start) // 2, offset=8 + n + start).reshape(info["shape"])
+    if r is not None:
+        bits = bits[r.start : r.stop] if r.axis == 0 else bits[:, r.start : r.stop]
+    return paddle.to_tensor(np.ascontiguousarray(bits), place=paddle.CPUPlace())
 
 
 def load_weights(model: DecoderForCausalLM, path: str) -> None:
@@ -120,7 +142,8 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
     parts: dict[str, dict] = {name: {} for name in params}
 
     for file in weight_files(path):
-        with safe_open(file, framework="paddle") as f:
+        # Host tensors (device="cpu"): stacking, casting and transposing run on the CPU whatever the device.
+        with safe_open(file, framework="paddle", device="cpu") as f:
             for ckpt_name in f.keys():
                 if ckpt_name.endswith(_IGNORED_SUFFIXES):
                     continue
@@ -144,7 +167,7 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
                         f"tensor {ckpt_name!r} in {os.path.basename(file)} has shape {shape}, "
                         f"expected {expected} from config.json"
                     )
-                tensor = _read(f, ckpt_name, r)
+                tensor = _read(f, ckpt_name, r, file)
                 if tensor.dtype != param.dtype:
                     tensor = tensor.astype(param.dtype)
                 if r.piece is None and r.axis is not None and tensor.shape[r.axis] < local[r.axis]:
@@ -161,10 +184,10 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"missing tensor {shown}{more} in the weights of {path!r}")
 
+    fill = _fill_from_host if platform.is_gpu() else _fill
     with paddle.no_grad():
         for name, param in params.items():
-            _fill(param, parts.pop(name), transposed=name in linear_weights)
-    model.finalize_weights()
+            fill(param, parts.pop(name), transposed=name in linear_weights)
 
 
 def _fill(param: paddle.Tensor, got: dict, transposed: bool) -> None:
@@ -180,3 +203,12 @@ def _fill(param: paddle.Tensor, got: dict, transposed: bool) -> None:
         paddle.assign(value.t(), output=param)
     else:
         param.set_value(value)
+
+
+def _fill_from_host(param: paddle.Tensor, got: dict, transposed: bool) -> None:
+    """GPU: stack and transpose with Paddle's CPU kernels (the checkpoint tensors are host tensors), then one
+    host-to-device copy into the parameter. No GPU kernel of Paddle's runs: on the Hoppers they do nothing."""
+    value = got[None] if None in got else paddle.concat([got[p] for p in sorted(got)], axis=0)
+    if transposed:
+        value = value.t().contiguous()
+    param.set_value(value.numpy())  # bfloat16 travels as its uint16 bits, which Paddle reads back as bfloat16

@@ -48,6 +48,11 @@ class FlatBatch:
     def num_rows(self) -> int:
         return len(self.seq_lens_kv)
 
+    @property
+    def max_q_len(self) -> int:
+        """Most tokens any row computes this step (1 when every row decodes)."""
+        return max([1] * (self.num_decodes > 0) + [p.q_len for p in self.prefills] or [0])
+
 
 @dataclass
 class ForwardMeta:
@@ -62,5 +67,8 @@ class ForwardMeta:
     prefills: list[PrefillSpan] | None = field(default_factory=list)  # None: graph mode (tensors only)
     # Per-layer (k_cache, v_cache), each [num_blocks + 1, kv_heads, block_size, head_dim].
     caches: list[tuple[paddle.Tensor, paddle.Tensor]] = field(default_factory=list)
+    # Bound on any row's query length (1: decode only; 0: unknown, as in a prefill graph): lets the GPU
+    # attention skip its query-tile kernel when every row decodes.
+    max_q_len: int = 0
     # Cache row indices derived once per step and shared by every layer (see ops/attention.py).
     derived: dict = field(default_factory=dict, repr=False)

@@ -4,7 +4,12 @@ Why: a request's draws must not depend on what else shares its batch, on preempt
 device samples. Deriving each uniform by hashing (the sequence's 64-bit seed, the position of the
 token being sampled, the draw's round) gives that with nothing to store, advance or copy per step
 (vLLM v1 does the same on the GPU for its Gumbel noise). The hash is splitmix64's finaliser; the
-CUDA sampler computes the same function, so CPU and GPU draw the same uniforms.
+CUDA sampler (fdlite/ops/csrc/ops_sampling.cu) computes the same function, so CPU and GPU draw the
+same uniforms (the kernel rounds to float32: `uniforms(..., dtype=np.float32)` is its value exactly):
+
+    splitmix64(z): z += 0x9E3779B97F4A7C15; z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9;
+                   z = (z ^ z >> 27) * 0x94D049BB133111EB; return z ^ z >> 31      (uint64 wraparound)
+    u = ((splitmix64(seed ^ pos * 0x9E3779B97F4A7C15 ^ round * 0xD1B54A32D192ED03) >> 40) + 0.5) * 2^-24
 """
 
 from __future__ import annotations
@@ -25,11 +30,20 @@ def splitmix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def uniforms(seeds: np.ndarray, positions: np.ndarray, round_: int = 0) -> np.ndarray:
-    """One float64 uniform in (0, 1) per row: a function of (seed, position, round) alone."""
+def uniforms(seeds: np.ndarray, positions: np.ndarray, round_: int = 0, dtype=np.float64) -> np.ndarray:
+    """One uniform in (0, 1) per row: a function of (seed, position, round) alone.
+
+    Seeds may be uint64 or signed (a negative int64 counts as its uint64 bits, like C's cast). dtype
+    float32 gives the CUDA sampler's own value (`((float)bits + 0.5f) * 2^-24`, rounded in float32),
+    bit for bit; float64 keeps the 24 bits exactly.
+    """
+    s = np.asarray(seeds)
+    s = s if s.dtype == np.uint64 else s.astype(np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
-        z = np.asarray(seeds, np.uint64) ^ (np.asarray(positions).astype(np.uint64) * _GOLDEN) ^ (np.uint64(round_) * _ROUND)
+        z = s ^ (np.asarray(positions).astype(np.int64).astype(np.uint64) * _GOLDEN) ^ (np.uint64(round_ % 2**64) * _ROUND)
         bits = splitmix64(z) >> np.uint64(40)  # the top 24 bits
+    if dtype == np.float32:
+        return ((bits.astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)).astype(np.float32)
     return (bits.astype(np.float64) + 0.5) * 2.0**-24
 
 

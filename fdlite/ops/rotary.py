@@ -39,9 +39,11 @@ class RotaryEmbedding(nn.Layer):
         inv_freq = inv_frequencies(head_dim, theta, scaling)
         freqs = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
         emb = np.concatenate([freqs, freqs], axis=-1)
-        # Buffers, not parameters: they move with the layer and never appear in a checkpoint.
-        self.register_buffer("cos", paddle.to_tensor(np.cos(emb)).astype(dtype), persistable=False)
-        self.register_buffer("sin", paddle.to_tensor(np.sin(emb)).astype(dtype), persistable=False)
+        # Buffers, not parameters: they move with the layer and never appear in a checkpoint. Converted to
+        # the model dtype on the host (`to_tensor(dtype=...)`): no device kernel runs, so the GPU path
+        # needs no cast op here.
+        self.register_buffer("cos", paddle.to_tensor(np.cos(emb), dtype=dtype), persistable=False)
+        self.register_buffer("sin", paddle.to_tensor(np.sin(emb), dtype=dtype), persistable=False)
 
     def forward(self, positions: paddle.Tensor, q: paddle.Tensor, k: paddle.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""

@@ -18,8 +18,9 @@ probability top_p). The uniforms come from `ops/random.py`: a function of (seque
 position, round), so a seeded row samples the same tokens whatever shares its batch.
 
 On CPU the logits are host memory, so the work is numpy on a zero-copy view (Paddle's CPU kernels
-are several times slower at these sizes). The GPU implementation is a fdlite CUDA kernel with the
-same contract.
+are several times slower at these sizes). On GPU (`sampler_gpu.py`, chosen when the sampler is built)
+the draw is fdlite's CUDA kernel: same parameters, same counter-based noise, same `SamplerOutput`;
+only the sampled ids (and the logprob rows asked for) come back to the host.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
+from fdlite.ops.custom_op import dispatch_forward
 from fdlite.ops.random import sequence_seed, uniforms
 from fdlite.outputs import Logprob
 from fdlite.sampling_params import SamplingParams
@@ -149,14 +151,23 @@ class Sampler:
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
+        self._forward = dispatch_forward(self)
 
     @paddle.no_grad()
     def __call__(self, logits: paddle.Tensor, batch: SamplingBatch | list[SamplingRow],
                  eos_token_ids: set[int] | None = None) -> SamplerOutput:
         """Sample one token per row; see the module docstring for the order of operations."""
-        x = _host_logits(logits, batch)
         if not isinstance(batch, SamplingBatch):
-            batch = rows_to_batch(batch, eos_token_ids or set(), x.shape[1])
+            batch = rows_to_batch(batch, eos_token_ids or set(), logits.shape[-1])
+        return self._forward(logits, batch)
+
+    def forward_gpu(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        from fdlite.ops.sampler_gpu import sample_on_gpu  # noqa: PLC0415
+
+        return sample_on_gpu(logits, batch)
+
+    def forward_cpu(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        x = _host_logits(logits, batch)
         processed = adjust_logits(x, batch)
         tokens = np.empty(batch.num_rows, np.int64)
         greedy = batch.temperature <= 0.0
@@ -341,7 +352,9 @@ def _take(batch: SamplingBatch, rows: np.ndarray) -> SamplingBatch:
                          num_logprobs=batch.num_logprobs[rows])
 
 
-def _output(x: np.ndarray, tokens: np.ndarray, batch: SamplingBatch) -> SamplerOutput:
+def _output(x: np.ndarray, tokens: np.ndarray, batch: SamplingBatch, rows_asking_only: bool = False) -> SamplerOutput:
+    """Tokens plus the logprobs asked for, from the raw logits `x` (all rows, or with `rows_asking_only`
+    just the rows that ask for logprobs, in order: what the GPU sampler copies back)."""
     n = batch.num_rows
     token_list = tokens.tolist()
     sampled: list[float | None] = [None] * n
@@ -349,7 +362,7 @@ def _output(x: np.ndarray, tokens: np.ndarray, batch: SamplingBatch) -> SamplerO
     asking = np.nonzero(batch.num_logprobs >= 0)[0]
     if not len(asking):
         return SamplerOutput(token_list, sampled, entries)
-    raw = _log_softmax(x[asking])
+    raw = _log_softmax(x if rows_asking_only else x[asking])
     picked = raw[np.arange(len(asking)), tokens[asking]]
     ranks = (raw >= picked[:, None]).sum(axis=1)
     k_max = int(min(batch.num_logprobs[asking].max(), raw.shape[1]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from fdlite.ops import device_tensors
 from fdlite.ops.forward_meta import FlatBatch, ForwardMeta
 
 
@@ -22,10 +23,10 @@ class _Buffer:
     """One persistent tensor and, on CPU, a numpy view of its memory."""
 
     def __init__(self, size: int, dtype: str, fill: int = 0):
-        self.tensor = paddle.full([size], fill, dtype=dtype)
+        self.tensor = device_tensors.full([size], fill, dtype)
         self.host = np.from_dlpack(self.tensor) if self.tensor.place.is_cpu_place() else None
-        # Views by (length, shape): a slice costs ~10 us of Paddle dispatch, and a decode batch keeps its
-        # size for many steps. Views share the buffer's memory, so a cached one sees every later write.
+        # CPU views by (length, shape): a slice costs ~10 us of Paddle dispatch, and a decode batch keeps
+        # its size for many steps. Views share the buffer's memory, so a cached one sees every later write.
         self._views: dict[tuple, paddle.Tensor] = {}
 
     def write(self, values: np.ndarray, start: int = 0) -> None:
@@ -34,15 +35,12 @@ class _Buffer:
         if self.host is not None:
             self.host[start : start + len(values)] = values
         else:
-            view = self.tensor[start : start + len(values)]
-            paddle.assign(paddle.to_tensor(np.ascontiguousarray(values, dtype=self.host_dtype), place=view.place),
-                          output=view)
-
-    @property
-    def host_dtype(self):
-        return {paddle.int64: np.int64, paddle.int32: np.int32}[self.tensor.dtype]
+            device_tensors.write_from_host(self.tensor[start : start + len(values)], values)
 
     def view(self, n: int, shape: list[int] | None = None) -> paddle.Tensor:
+        if self.host is None:  # GPU: not cached (that a slice is a view there is checked on CPU only)
+            v = self.tensor[:n]
+            return v.reshape(shape) if shape is not None else v
         key = (n, tuple(shape) if shape is not None else None)
         v = self._views.get(key)
         if v is None:
@@ -86,7 +84,7 @@ class ForwardBuffers:
             slot_mapping=self.slot_mapping.view(t), token_rows=self.token_rows.view(t), positions=self.positions.view(t),
             block_tables=self.block_tables.view(b * width, [b, width]), seq_lens_kv=self.seq_lens_kv.view(b),
             cu_seqlens_q=self.cu_seqlens_q.view(b + 1), num_decodes=flat.num_decodes, block_size=self.block_size,
-            prefills=flat.prefills, caches=caches,
+            prefills=flat.prefills, caches=caches, max_q_len=flat.max_q_len,
         )
         return self.input_ids.view(t), self.positions.view(t), meta, self.logits_indices.view(len(flat.logits_indices))
 
@@ -127,6 +125,7 @@ class ForwardBuffers:
             block_tables=self.block_tables.view((self.max_rows + 1) * self.max_blocks, [self.max_rows + 1, self.max_blocks]),
             seq_lens_kv=self.seq_lens_kv.view(rows), cu_seqlens_q=self.cu_seqlens_q.view(rows + 1),
             num_decodes=size if decode else 0, block_size=self.block_size, prefills=None, caches=caches,
+            max_q_len=1 if decode else 0,
         )
         return self.input_ids.view(size), self.positions.view(size), meta
 

@@ -1,7 +1,8 @@
 """The model runner: builds the model, owns the KV cache, runs one step and samples.
 
-One code path for CPU and GPU: the device is picked once from what Paddle was built with, and
-GPU-only work (CUDA graphs, CUDA memory statistics) is switched by that capability.
+One code path for CPU and GPU: the device is the `device` option (default: Paddle's current
+device), chosen once before the model is built (`ops/platform.py`); every op then picked its
+implementation for it, and GPU-only work (CUDA graphs, CUDA memory statistics) is switched by it.
 
 With tensor parallelism one runner runs in each launched process, on its rank's slice of the model
 (`TPPartition`) and of the KV heads. Every rank runs every forward (profiling, warm-up, capture,
@@ -25,10 +26,12 @@ from fdlite.models.registry import model_class
 from fdlite.models.tp_partition import TPPartition
 from fdlite.models.weight_loader import load_weights
 from fdlite.ops.forward_meta import FlatBatch
+from fdlite.ops.platform import select_device
 from fdlite.ops.sampler import Sampler, SamplerOutput
 from fdlite.graph.backend import GraphOptBackend
 from fdlite.graph.capture_sizes import decode_capture_sizes, prefill_capture_sizes
 from fdlite.kvcache.device_memory import device_memory, reset_peak_memory
+from fdlite.graph.cuda import graphs_share_pool
 from fdlite.graph.cudagraph_runner import CudaGraphRunner, cudagraph_factory
 from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import translation_count
@@ -42,12 +45,6 @@ from fdlite.runner.input_batch import StepInputs
 logger = logging.getLogger("fdlite")
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
-
-
-def select_device() -> str:
-    device = "gpu" if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "cpu"
-    paddle.set_device(device)
-    return device
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
@@ -70,9 +67,15 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig):
         self.config = config
         self.model_config = model_config
-        self.device = select_device()
+        self.device = select_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         tp_size = config.tensor_parallel_size
+        if self.device == "gpu" and tp_size > 1:
+            # The vocabulary all-gather of the logits ends in Paddle's concat on the last axis, one of the
+            # built-in kernels that do nothing on sm_90 with PyPI's paddlepaddle-gpu; refuse rather than
+            # sample from garbage.
+            raise ValueError("tensor_parallel_size > 1 is not available on fdlite's GPU path yet (the logits' "
+                             "vocabulary all-gather has no fdlite kernel); use tensor_parallel_size=1 on GPU")
         TPPartition.of(model_config, 0, tp_size)  # a model that cannot be split fails before any process waits
         self.parallel = init_tensor_parallel(tp_size, self.device)
         self.comm = Communicator(self.parallel, self.device, config.enable_custom_all_reduce)
@@ -150,7 +153,8 @@ class ModelRunner:
             return self.num_blocks_from_budget()
         sizes = self.capture_sizes()
         largest = max(sizes) if sizes else 0
-        reserve = graph_reserve_bytes(profile, largest, len(sizes))
+        pooled = None if not sizes or self.device != "gpu" or graphs_share_pool() else sum(sizes)
+        reserve = graph_reserve_bytes(profile, largest, len(sizes), pooled)
         available = kv_cache_bytes(profile, self.config.gpu_memory_utilization, reserve)
         logger.info("KV cache sizing: total %.2f GiB x %.2f, in use after profiling %.2f GiB, activation peak %.2f GiB, "
                     "CUDA-graph reserve %.2f GiB -> %.2f GiB for the cache", profile.total / 2**30,
@@ -249,7 +253,7 @@ class ModelRunner:
             hidden = self.model(ids, positions, meta)
         if not len(flat.logits_indices):
             return None
-        return self.model.compute_logits(paddle.gather(hidden, logits_indices))
+        return self.model.compute_logits(hidden, logits_indices)
 
     def execute(self, step: StepInputs) -> SamplerOutput | None:
         """Run one step: forward, then (rank 0) sample; every rank gets rank 0's tokens."""

@@ -1,0 +1,39 @@
+// A few plain C entry points of the ops library, called through ctypes: CUDA events of our own
+// runtime on Paddle's stream (Paddle 2.6.2's Event.elapsed_time is a stub returning 0), host-to-device
+// copies for the runner's per-step inputs, and the library's version, so a stale cached build is
+// noticed. No Paddle headers.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define FDL_API extern "C" __attribute__((visibility("default")))
+
+FDL_API int fdl_ops_abi_version(void) { return 2; }
+
+FDL_API void* fdl_event_create(void) {
+  cudaEvent_t e = nullptr;
+  return cudaEventCreate(&e) == cudaSuccess ? (void*)e : nullptr;
+}
+
+FDL_API int fdl_event_record(void* e, void* stream) { return (int)cudaEventRecord((cudaEvent_t)e, (cudaStream_t)stream); }
+
+// Milliseconds between two recorded events (waits for `end`); negative on error.
+FDL_API float fdl_event_elapsed_ms(void* start, void* end) {
+  if (cudaEventSynchronize((cudaEvent_t)end) != cudaSuccess) return -1.f;
+  float ms = -1.f;
+  if (cudaEventElapsedTime(&ms, (cudaEvent_t)start, (cudaEvent_t)end) != cudaSuccess) return -2.f;
+  return ms;
+}
+
+FDL_API int fdl_event_destroy(void* e) { return (int)cudaEventDestroy((cudaEvent_t)e); }
+
+// Synchronous device -> host copy through our runtime (the harness checks data_ptr() with it).
+FDL_API int fdl_memcpy_d2h(void* dst, const void* src, size_t bytes) {
+  return (int)cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost);
+}
+
+// Host -> device copy on `stream` (the runner's per-step inputs into its persistent buffers). Through
+// ctypes this costs a few microseconds, against about 35 for a host Paddle tensor plus a copy op. From
+// pageable memory the runtime stages the source before returning, so the caller may reuse it at once.
+FDL_API int fdl_memcpy_h2d_async(void* dst, const void* src, size_t bytes, void* stream) {
+  return (int)cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, (cudaStream_t)stream);
+}

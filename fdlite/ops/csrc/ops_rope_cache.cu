@@ -1,0 +1,177 @@
+// Rotary embedding (NeoX / rotate_half layout) fused with Qwen3's per-head q/k RMSNorm and the
+// KV-cache write, from the fused qkv projection: one pass over qkv instead of split + norm + rope +
+// scatter (each a Paddle kernel that does nothing on sm_90 with PyPI's wheel; see ops_common.cuh).
+//
+//   qkv [T, (h + 2 kvh) d] -> q [T, h, d] (normed, rotated);
+//   k (normed, rotated) and v go to k_cache / v_cache [num_blocks + 1, kvh, block_size, d] at each
+//   token's slot: cache row ((slot / block_size) * kvh + head) * block_size + slot % block_size.
+//   A negative slot writes nothing (padded tokens may also point at the scratch block).
+//
+// cos / sin are the CPU path's tables [max_positions, d] (llama3 scaling already folded in), float32
+// or the model dtype. Arithmetic in float32; the q/k norm output is rounded to the model dtype
+// before rotation (as the CPU path / Hugging Face, where the norm is a separate op).
+#include "ops_common.cuh"
+
+namespace fdl {
+namespace {
+
+// One warp per (token, head) of q, k and v heads. Lane l holds pairs (i, i + d/2) for
+// i = l, l + 32, ...: the rotate_half partner is in the same thread.
+template <typename T, typename C, int PAIRS>
+__global__ void rope_cache_kernel(T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                  const T* __restrict__ qkv, const int64_t* __restrict__ positions,
+                                  const int64_t* __restrict__ slots, const C* __restrict__ cos_t,
+                                  const C* __restrict__ sin_t, const T* __restrict__ qw, const T* __restrict__ kw,
+                                  int64_t tokens, int h, int kvh, int d, int block_size, int64_t max_pos,
+                                  bool qk_norm, float eps) {
+  const int heads = h + 2 * kvh;
+  const int64_t unit = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (unit >= tokens * heads) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t t = unit / heads;
+  const int hd = (int)(unit - t * heads);
+  const int half = d >> 1;
+  const T* src = qkv + t * (int64_t)heads * d + (int64_t)hd * d;
+  float x1[PAIRS], x2[PAIRS];
+#pragma unroll
+  for (int p = 0; p < PAIRS; ++p) {
+    const int i = lane + 32 * p;
+    x1[p] = i < half ? to_f<T>(src[i]) : 0.f;
+    x2[p] = i < half ? to_f<T>(src[i + half]) : 0.f;
+  }
+  const bool is_q = hd < h, is_k = !is_q && hd < h + kvh;
+  if (is_q || is_k) {
+    if (qk_norm) {
+      float ss = 0.f;
+#pragma unroll
+      for (int p = 0; p < PAIRS; ++p) ss += x1[p] * x1[p] + x2[p] * x2[p];
+      const float inv = rsqrtf(warp_sum(ss) / (float)d + eps);
+      const T* w = is_q ? qw : kw;
+#pragma unroll
+      for (int p = 0; p < PAIRS; ++p) {
+        const int i = lane + 32 * p;
+        if (i < half) {
+          x1[p] = round_to<T>(round_to<T>(x1[p] * inv) * to_f<T>(w[i]));
+          x2[p] = round_to<T>(round_to<T>(x2[p] * inv) * to_f<T>(w[i + half]));
+        }
+      }
+    }
+    int64_t pos = positions[t];
+    pos = pos < 0 ? 0 : (pos >= max_pos ? max_pos - 1 : pos);
+    const C* cr = cos_t + pos * d;
+    const C* sr = sin_t + pos * d;
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) {
+      const int i = lane + 32 * p;
+      if (i < half) {
+        const float a = x1[p], b = x2[p];
+        // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+        x1[p] = a * to_f<C>(cr[i]) - b * to_f<C>(sr[i]);
+        x2[p] = b * to_f<C>(cr[i + half]) + a * to_f<C>(sr[i + half]);
+      }
+    }
+  }
+  T* dst;
+  if (is_q) {
+    dst = q_out + (t * h + hd) * (int64_t)d;
+  } else {
+    const int64_t slot = slots[t];
+    if (slot < 0) return;
+    const int j = is_k ? hd - h : hd - h - kvh;
+    const int64_t row = (slot / block_size * kvh + j) * block_size + slot % block_size;
+    dst = (is_k ? k_cache : v_cache) + row * d;
+  }
+#pragma unroll
+  for (int p = 0; p < PAIRS; ++p) {
+    const int i = lane + 32 * p;
+    if (i < half) {
+      dst[i] = from_f<T>(x1[p]);
+      dst[i + half] = from_f<T>(x2[p]);
+    }
+  }
+}
+
+template <typename T, typename C>
+void launch_rope(T* q, T* kc, T* vc, const T* qkv, const int64_t* pos, const int64_t* slots, const C* cs, const C* sn,
+                 const T* qw, const T* kw, int64_t tokens, int h, int kvh, int d, int bs, int64_t max_pos, bool norm,
+                 float eps, cudaStream_t s) {
+  if (tokens == 0) return;
+  const int warps = 4;
+  const int64_t units = tokens * (h + 2 * kvh);
+  const unsigned blocks = (unsigned)ceil_div(units, warps);
+  const int pairs = (int)ceil_div(d / 2, 32);
+#define FDL_ROPE(P)                                                                                    \
+  rope_cache_kernel<T, C, P><<<blocks, warps * 32, 0, s>>>(q, kc, vc, qkv, pos, slots, cs, sn, qw, kw, \
+                                                            tokens, h, kvh, d, bs, max_pos, norm, eps)
+  if (pairs <= 1) FDL_ROPE(1);
+  else if (pairs <= 2) FDL_ROPE(2);
+  else if (pairs <= 4) FDL_ROPE(4);
+  else PD_THROW("fdl_rope_qk_norm_cache: head_dim above 256 is not supported");
+#undef FDL_ROPE
+}
+
+}  // namespace
+}  // namespace fdl
+
+using namespace fdl;
+
+// fdl_rope_qk_norm_cache(qkv, positions, slot_mapping, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache,
+//                        num_heads, qk_norm, epsilon) -> q [T, h, d]; k_cache / v_cache written in place.
+// q_norm_w / k_norm_w [d] are read only with qk_norm (pass any GPU tensor otherwise).
+std::vector<paddle::Tensor> RopeQkNormCache(const paddle::Tensor& qkv, const paddle::Tensor& positions,
+                                            const paddle::Tensor& slots, const paddle::Tensor& cos_t,
+                                            const paddle::Tensor& sin_t, const paddle::Tensor& qw,
+                                            const paddle::Tensor& kw, paddle::Tensor& k_cache,
+                                            paddle::Tensor& v_cache, int num_heads, bool qk_norm, float eps) {
+  const char* op = "fdl_rope_qk_norm_cache";
+  for (const paddle::Tensor* t : std::initializer_list<const paddle::Tensor*>{&qkv, &positions, &slots, &cos_t, &sin_t, &k_cache, &v_cache}) check_gpu(*t, op, "input");
+  const auto& cs = k_cache.shape();
+  PD_CHECK(cs.size() == 4 && v_cache.shape() == cs, op, ": caches must be [blocks, kv_heads, block_size, head_dim]");
+  const int kvh = (int)cs[1], bs = (int)cs[2], d = (int)cs[3];
+  PD_CHECK(d % 2 == 0 && d <= 256, op, ": head_dim must be even and at most 256");
+  PD_CHECK(num_heads > 0 && num_heads % kvh == 0, op, ": num_heads must be a multiple of kv_heads");
+  const int64_t width = (int64_t)(num_heads + 2 * kvh) * d;
+  PD_CHECK(!qkv.shape().empty() && qkv.shape().back() == width, op, ": qkv.shape[-1] must be (h + 2 kvh) * d");
+  const int64_t tokens = qkv.numel() / width;
+  PD_CHECK(positions.numel() == tokens && slots.numel() == tokens, op, ": positions / slot_mapping must be [T]");
+  PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64, op,
+           ": positions and slot_mapping must be int64");
+  PD_CHECK(k_cache.dtype() == qkv.dtype() && v_cache.dtype() == qkv.dtype(), op, ": caches must have qkv's dtype");
+  PD_CHECK(cos_t.shape().size() == 2 && cos_t.shape()[1] == d && sin_t.shape() == cos_t.shape() &&
+               sin_t.dtype() == cos_t.dtype(),
+           op, ": cos / sin must be [max_positions, head_dim] of one dtype");
+  PD_CHECK(cos_t.dtype() == paddle::DataType::FLOAT32 || cos_t.dtype() == qkv.dtype(), op,
+           ": cos / sin must be float32 or qkv's dtype");
+  if (qk_norm) {
+    check_gpu(qw, op, "q_norm_w");
+    check_gpu(kw, op, "k_norm_w");
+    PD_CHECK(qw.numel() == d && kw.numel() == d && qw.dtype() == qkv.dtype() && kw.dtype() == qkv.dtype(), op,
+             ": q/k norm weights must be [head_dim] of qkv's dtype");
+  }
+  paddle::Tensor q = paddle::empty({tokens, num_heads, d}, qkv.dtype(), qkv.place());
+  cudaStream_t s = stream_of(qkv);
+  const int64_t max_pos = cos_t.shape()[0];
+  FDL_FLOAT_SWITCH(qkv.dtype(), T, op, {
+    const T* qwp = qk_norm ? static_cast<const T*>(qw.data()) : nullptr;
+    const T* kwp = qk_norm ? static_cast<const T*>(kw.data()) : nullptr;
+    if (cos_t.dtype() == paddle::DataType::FLOAT32)
+      launch_rope<T, float>(static_cast<T*>(q.data()), static_cast<T*>(k_cache.data()), static_cast<T*>(v_cache.data()),
+                            static_cast<const T*>(qkv.data()), positions.data<int64_t>(), slots.data<int64_t>(),
+                            static_cast<const float*>(cos_t.data()), static_cast<const float*>(sin_t.data()), qwp, kwp,
+                            tokens, num_heads, kvh, d, bs, max_pos, qk_norm, eps, s);
+    else
+      launch_rope<T, T>(static_cast<T*>(q.data()), static_cast<T*>(k_cache.data()), static_cast<T*>(v_cache.data()),
+                        static_cast<const T*>(qkv.data()), positions.data<int64_t>(), slots.data<int64_t>(),
+                        static_cast<const T*>(cos_t.data()), static_cast<const T*>(sin_t.data()), qwp, kwp, tokens,
+                        num_heads, kvh, d, bs, max_pos, qk_norm, eps, s);
+  });
+  FDL_CHECK_LAUNCH(op);
+  return {q};
+}
+
+PD_BUILD_OP(fdl_rope_qk_norm_cache)
+    .Inputs({"QKV", "Positions", "SlotMapping", "Cos", "Sin", "QNormW", "KNormW", "KCache", "VCache"})
+    .Outputs({"Q", "KCacheOut", "VCacheOut"})
+    .Attrs({"num_heads: int", "qk_norm: bool", "epsilon: float"})
+    .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
+    .SetKernelFn(PD_KERNEL(RopeQkNormCache));

@@ -1,0 +1,180 @@
+"""The GPU path on a CPU: fdlite's GPU op wrappers (`fdlite.ops.gpu`) replaced by numpy/Paddle-CPU
+versions of their contracts, and the platform switched to "gpu".
+
+What this tests is the wiring of the GPU path (which op the seam picks, the arguments the models pass,
+the in-place contracts of the fused norm and the cache write, graph-mode views, the GPU sampler's host
+round trips), not the kernels: those are checked on the device (tools/gpu/ops_harness.py). Every
+emulated op writes its outputs from an independent reference, so a wrong argument shows as a wrong
+token. Each call is recorded by name, so a test can assert that the CPU implementations did not run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from fdlite.ops import gpu as gpu_ops
+from fdlite.ops import platform
+from fdlite.ops.gpu import sampling_ref
+
+CALLS: Counter = Counter()
+
+
+def _np(t) -> np.ndarray:
+    return np.array(t.numpy(), dtype=np.float64) if t.dtype in (paddle.float32, paddle.float64) else t.numpy()
+
+
+def _assign(dst, value: np.ndarray) -> None:
+    paddle.assign(paddle.to_tensor(np.ascontiguousarray(value).astype(dst.numpy().dtype)), output=dst)
+
+
+def fill_(x, value):
+    CALLS["fill_"] += 1
+    _assign(x, np.full(x.shape, value))
+
+
+def copy_(dst, src):
+    CALLS["copy_"] += 1
+    _assign(dst, src.numpy().reshape(dst.shape))
+
+
+def copy_from_host(dst, values):
+    CALLS["copy_from_host"] += 1
+    assert values.size == int(np.prod(dst.shape)) and values.dtype == dst.numpy().dtype
+    _assign(dst, values.reshape(dst.shape))
+
+
+def gather_rows(src, index, offset=0, out=None):
+    CALLS["gather_rows"] += 1
+    s, idx = src.numpy(), index.numpy().astype(np.int64) - offset
+    held = (idx >= 0) & (idx < len(s))
+    res = np.where(held[:, None], s[np.clip(idx, 0, len(s) - 1)].reshape(len(idx), -1), 0).reshape(len(idx), *s.shape[1:])
+    t = paddle.to_tensor(res.astype(s.dtype))
+    if out is not None:
+        _assign(out, res)
+        return out
+    return t
+
+
+def embedding(ids, weight, vocab_start=0, out=None):
+    CALLS["embedding"] += 1
+    return gather_rows(weight, ids, vocab_start, out)
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rms_norm(x, weight, eps):
+    CALLS["rms_norm"] += 1
+    return paddle.to_tensor(_rms(_np(x), _np(weight), eps).astype(np.float32))
+
+
+def fused_add_rms_norm_(x, residual, weight, eps):
+    CALLS["fused_add_rms_norm_"] += 1
+    r = _np(x) + _np(residual)
+    _assign(residual, r)
+    _assign(x, _rms(r, _np(weight), eps))
+
+
+def silu_and_mul(x):
+    CALLS["silu_and_mul"] += 1
+    a = _np(x)
+    g, u = np.split(a, 2, axis=-1)
+    return paddle.to_tensor((g / (1 + np.exp(-g)) * u).astype(np.float32))
+
+
+def linear(x, weight, bias=None, trans_w=False, out=None):
+    CALLS["linear"] += 1
+    w = _np(weight)
+    y = _np(x) @ (w.T if trans_w else w)
+    if bias is not None:
+        y = y + _np(bias)
+    if out is not None:
+        _assign(out, y)
+        return out
+    return paddle.to_tensor(y.astype(np.float32))
+
+
+def rope_qk_norm_cache(qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, num_heads, q_norm_weight=None,
+                       k_norm_weight=None, eps=1e-6):
+    CALLS["rope_qk_norm_cache"] += 1
+    kvh, bs, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    a = _np(qkv).reshape(qkv.shape[0], num_heads + 2 * kvh, d)
+    q, k, v = a[:, :num_heads], a[:, num_heads:num_heads + kvh], a[:, num_heads + kvh:]
+    if q_norm_weight is not None:
+        q, k = _rms(q, _np(q_norm_weight), eps), _rms(k, _np(k_norm_weight), eps)
+    pos = positions.numpy()
+    c, s = _np(cos)[pos][:, None, :], _np(sin)[pos][:, None, :]
+
+    def rot(x):
+        x1, x2 = np.split(x, 2, axis=-1)
+        return x * c + np.concatenate([-x2, x1], -1) * s
+
+    q, k = rot(q), rot(k)
+    kc, vc = np.from_dlpack(k_cache), np.from_dlpack(v_cache)  # the caches, written in place
+    for t, slot in enumerate(slot_mapping.numpy().tolist()):
+        if slot >= 0:
+            kc[slot // bs, :, slot % bs] = k[t]
+            vc[slot // bs, :, slot % bs] = v[t]
+    return paddle.to_tensor(q.astype(np.float32))
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len=0, num_splits=0):
+    CALLS["paged_attention"] += 1
+    assert block_tables.shape[0] == seq_lens_kv.shape[0] and cu_seqlens_q.shape[0] == seq_lens_kv.shape[0] + 1
+    qa, kc, vc = _np(q), _np(k_cache), _np(v_cache)
+    t, h, d = qa.shape
+    kvh, bs = kc.shape[1], kc.shape[2]
+    bt, seq, cu = block_tables.numpy(), seq_lens_kv.numpy(), cu_seqlens_q.numpy()
+    out = np.zeros((t, h, d))
+    for r in range(len(seq)):
+        n, kv = int(cu[r + 1] - cu[r]), int(seq[r])
+        if n == 0 or kv == 0:
+            continue
+        assert max_q_len == 0 or n <= max_q_len, "max_q_len promised a bound the batch breaks"
+        p = np.arange(kv)
+        keys = kc[bt[r, p // bs], :, p % bs]  # [kv, kvh, d]
+        vals = vc[bt[r, p // bs], :, p % bs]
+        for i in range(n):
+            tok, qpos = cu[r] + i, kv - n + i
+            for head in range(h):
+                sc = keys[: qpos + 1, head // (h // kvh)] @ qa[tok, head] * scale
+                w = np.exp(sc - sc.max())
+                out[tok, head] = w @ vals[: qpos + 1, head // (h // kvh)] / w.sum()
+    return paddle.to_tensor(out.reshape(t, h * d).astype(np.float32))
+
+
+def lm_head_logits(hidden, rows, weight, trans_w=False, out=None):
+    CALLS["lm_head_logits"] += 1
+    return linear(gather_rows(hidden, rows), weight, None, trans_w)
+
+
+def argmax(logits):
+    CALLS["argmax"] += 1
+    return paddle.to_tensor(logits.numpy().argmax(axis=1).astype(np.int64))
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    CALLS["sample"] += 1
+    x = logits.numpy()
+    ids = [sampling_ref.sample_row(x[i], float(temperature[i]), int(top_k[i]), float(top_p[i]), float(min_p[i]),
+                                   int(seeds[i]), int(positions[i])) for i in range(len(x))]
+    return paddle.to_tensor(np.asarray(ids, np.int64))
+
+
+OPS = ("fill_", "copy_", "copy_from_host", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
+       "rope_qk_norm_cache", "paged_attention", "lm_head_logits", "argmax", "sample")
+
+
+def install(monkeypatch) -> Counter:
+    """Switch this process to the emulated GPU path (undone by monkeypatch); returns the call counter."""
+    CALLS.clear()
+    for name in OPS:
+        monkeypatch.setattr(gpu_ops, name, globals()[name])
+    monkeypatch.setattr(gpu_ops, "load", lambda path=None: "emulated")
+    monkeypatch.setitem(platform._current, "device", "gpu")
+    return CALLS

@@ -1,0 +1,201 @@
+"""The device choice and the CPU/GPU dispatch seam, on a CPU machine.
+
+The GPU path runs here with fdlite's GPU op wrappers replaced by numpy versions of their contracts
+(`gpu_emulator.py`): what is checked is the wiring (which implementation each op picked, the
+arguments the model passes, in-place contracts, graph-mode views, the GPU sampler's host round
+trips) and that no Paddle built-in computing op runs on that path. The kernels themselves are
+checked on the GPU (tools/gpu/ops_harness.py, tools/gpu/e2e_harness.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+import gpu_emulator
+from fdlite import LLM, SamplingParams
+from fdlite.config import EngineConfig
+from fdlite.graph import static_graph
+from fdlite.ops import platform
+from fdlite.ops.norm import RMSNorm
+from fdlite.runner import model_runner
+
+COMMON = dict(skip_tokenizer_init=True, max_num_seqs=4, block_size=16, max_model_len=256,
+              max_num_batched_tokens=96, kv_cache_memory_bytes=1 << 22)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def prompts(n: int = 7, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 500, 40).tolist()  # a prefix longer than two blocks: prefix-cache hits
+    lengths = [1, 15, 16, 17, 33, 120, 150][:n]  # across block edges; 120 and 150 are chunked (budget 96)
+    out = [rng.integers(3, 500, k).tolist() for k in lengths]
+    for i in (3, 4):
+        if i < n:
+            out[i] = shared + out[i]
+    return [{"prompt_token_ids": p} for p in out]
+
+
+def _emulate_gpu(monkeypatch) -> object:
+    calls = gpu_emulator.install(monkeypatch)
+
+    def select_device(requested):
+        platform._current["device"] = "gpu"
+        return "gpu"
+
+    monkeypatch.setattr(model_runner, "select_device", select_device)
+    monkeypatch.setattr(model_runner, "device_memory", lambda: None)  # no CUDA statistics on this machine
+    monkeypatch.setattr(model_runner, "reset_peak_memory", lambda: None)
+    return calls
+
+
+def _forbid_builtin_compute(monkeypatch) -> None:
+    """Make Paddle's computing ops raise: on the Hopper GPUs each would silently do nothing."""
+    def refuse(name):
+        def f(*a, **k):
+            raise AssertionError(f"Paddle built-in {name} ran on the GPU path")
+        return f
+
+    for mod, names in ((paddle, ("matmul", "gather", "scatter_", "split", "chunk", "concat", "where", "full", "zeros",
+                                 "arange", "rsqrt", "take_along_axis")),
+                       (F, ("embedding", "silu", "softmax"))):
+        for name in names:
+            monkeypatch.setattr(mod, name, refuse(f"{mod.__name__}.{name}"))
+    monkeypatch.setattr(paddle.Tensor, "astype", refuse("Tensor.astype"))
+
+
+# ---- the device option ------------------------------------------------------------------------
+
+def test_device_option_is_validated_and_normalised():
+    assert EngineConfig(device="GPU:1").device == "gpu:1"
+    assert EngineConfig().device is None
+    with pytest.raises(ValueError, match="device must be 'cpu', 'gpu' or 'gpu:N'"):
+        EngineConfig(device="cuda")
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="checks the refusal of a CPU-only Paddle build")
+def test_gpu_on_a_cpu_build_is_a_clear_error(model_dirs):
+    with pytest.raises(ValueError, match="needs a CUDA build of Paddle"):
+        LLM(model_dirs["qwen3"], device="gpu", **COMMON)
+
+
+def test_cpu_choice_is_honoured_and_ops_pick_cpu(model_dirs):
+    llm = LLM(model_dirs["qwen3"], device="cpu", **COMMON)
+    assert llm.runner.device == "cpu" and platform.current_device() == "cpu"
+    picked = {type(m).__name__: m._forward_method.__name__ for m in llm.runner.model.sublayers()
+              if hasattr(m, "_forward_method")}
+    assert set(picked.values()) == {"forward_cpu"}
+    assert {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "LogitsProcessor",
+            "SiluAndMul", "Attention"} <= set(picked)
+
+
+def test_ops_choose_their_implementation_once_at_construction(monkeypatch):
+    cpu_norm = RMSNorm(8)
+    gpu_emulator.install(monkeypatch)
+    gpu_norm = RMSNorm(8)
+    assert cpu_norm._forward_method.__name__ == "forward_cpu"
+    assert gpu_norm._forward_method.__name__ == "forward_gpu"
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32))
+    np.testing.assert_allclose(gpu_norm(x).numpy(), cpu_norm(x).numpy(), rtol=1e-5, atol=1e-6)
+    res_cpu, res_gpu = x * 0.5, x * 0.5
+    out_cpu, sum_cpu = cpu_norm(x.clone(), res_cpu)
+    xg = x.clone()
+    out_gpu, sum_gpu = gpu_norm(xg, res_gpu)
+    assert out_gpu is xg and sum_gpu is res_gpu  # the fused GPU form works in place
+    np.testing.assert_allclose(out_gpu.numpy(), out_cpu.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sum_gpu.numpy(), sum_cpu.numpy(), rtol=1e-6)
+
+
+# ---- the GPU path, emulated ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_emulated_gpu_path_gives_the_cpu_tokens(model_dirs, family, monkeypatch):
+    want = LLM(model_dirs[family], device="cpu", **COMMON).generate(prompts(), GREEDY, use_tqdm=False)
+    calls = _emulate_gpu(monkeypatch)
+    llm = LLM(model_dirs[family], **COMMON)
+    _forbid_builtin_compute(monkeypatch)
+    got = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.last_generate_stats
+    assert stats["prefix_cache_hit_tokens"] >= 32, stats  # the shared prefix was reused on this path too
+    for op in ("embedding", "linear", "rope_qk_norm_cache", "paged_attention", "fused_add_rms_norm_",
+               "silu_and_mul", "lm_head_logits", "argmax"):
+        assert calls[op] > 0, op
+
+
+def test_emulated_gpu_graphs_replay_padded_batches(model_dirs, monkeypatch):
+    monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
+    want = LLM(model_dirs["qwen3"], device="cpu", **COMMON).generate(prompts(), GREEDY, use_tqdm=False)
+    _emulate_gpu(monkeypatch)
+    llm = LLM(model_dirs["qwen3"], use_cudagraph=True, **COMMON)
+    got = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.last_generate_stats["cudagraph_replays"] > 0
+    assert llm.last_generate_stats["cudagraph_padded_replays"] > 0
+
+
+def test_emulated_gpu_sampler_applies_penalties_bans_and_logprobs_on_the_host(model_dirs, monkeypatch):
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=False, min_tokens=4, repetition_penalty=1.8,
+                             logprobs=3),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, presence_penalty=1.5,
+                             frequency_penalty=0.7)]
+    ps = prompts(3, seed=5)
+    want = LLM(model_dirs["qwen2"], device="cpu", **COMMON).generate(ps, params, use_tqdm=False)
+    calls = _emulate_gpu(monkeypatch)
+    got = LLM(model_dirs["qwen2"], **COMMON).generate(ps, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert (g.outputs[0].logprobs is None) == (w.outputs[0].logprobs is None)
+        for lg, lw in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+            assert lg.keys() == lw.keys()
+            assert all(abs(lg[t].logprob - lw[t].logprob) < 1e-4 and lg[t].rank == lw[t].rank for t in lg)
+    assert calls["gather_rows"] > 0 and calls["copy_from_host"] > 0  # logprob rows out, adjusted rows back
+
+
+def test_emulated_gpu_seeded_sampling_follows_the_kernel_rule(model_dirs, monkeypatch):
+    """Seeded sampling on the GPU path draws with the kernel's rule (sampling_ref) from (seed, position):
+    the same tokens whatever else shares the batch."""
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=5, ignore_eos=True)
+    _emulate_gpu(monkeypatch)
+    llm = LLM(model_dirs["qwen3"], **COMMON)
+    ps = prompts(5, seed=9)
+    alone = llm.generate(ps[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    together = llm.generate(ps, [params] + [SamplingParams(temperature=1.0, seed=i, max_tokens=5) for i in range(4)],
+                            use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == together and len(alone) == 5
+
+
+# ---- graph_opt_level without SOT ---------------------------------------------------------------
+
+def test_graph_opt_level_without_sot_names_the_reason(monkeypatch):
+    class _Sys:
+        version_info = (3, 12, 3)
+
+    monkeypatch.setattr(static_graph, "sys", _Sys)
+    monkeypatch.setattr(paddle, "__version__", "2.6.2")
+    with pytest.raises(ValueError, match=r"graph_opt_level=1 needs SOT, but paddlepaddle 2\.6\.2 translates with SOT "
+                                         r"only on Python <= 3\.11, and this is Python 3\.12"):
+        static_graph.check_graph_opt_level(1)
+    static_graph.check_graph_opt_level(0)  # level 0 needs nothing
+
+
+# ---- bfloat16 checkpoints where Paddle has no core.frombuffer (Paddle 2.6) -----------------------
+
+def test_bf16_checkpoint_loads_without_frombuffer(tmp_path, monkeypatch):
+    """safetensors reads bfloat16 through numpy when Paddle lacks `core.frombuffer` and fails there; fdlite then
+    reads the tensor's uint16 bits itself. Both ways must give the same weights, so the same tokens."""
+    import torch
+    import transformers
+
+    from hf_models import write_random_model
+
+    path = write_random_model(str(tmp_path / "m"), "qwen2", seed=3)
+    transformers.AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16).save_pretrained(path)
+    want = LLM(path, device="cpu", **COMMON).generate(prompts(3), GREEDY, use_tqdm=False)
+    if hasattr(paddle.base.core, "frombuffer"):
+        monkeypatch.delattr(paddle.base.core, "frombuffer")
+    got = LLM(path, device="cpu", **COMMON).generate(prompts(3), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

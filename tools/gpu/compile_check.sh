@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Compiles every GPU op source (fdlite/ops/csrc/ops_*.cu) for sm_90 with PADDLE_WITH_CUDA, once
+# against each Paddle include directory given, without a GPU, without importing Paddle, without
+# linking: the local check before any device time is spent.
+#   tools/gpu/compile_check.sh [PADDLE_INCLUDE ...]
+# Default include dirs: Paddle 2.6.2's (the GPU wheel prepare.sh unpacks: /tmp/pdl/w/paddle/include)
+# and the installed paddle's (paddle.sysconfig.get_include()), whichever exist.
+# Env: NVCC / CUDA_HOME (the compiler), FDLITE_CUBLAS_INCLUDE (dir of cublasLt.h, e.g. from the
+# nvidia-cublas wheel), PYTHON (default python3), FDLITE_CUDA_ARCHS (default 90).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+incs=("$@")
+if (( ${#incs[@]} == 0 )); then
+  [[ -d /tmp/pdl/w/paddle/include ]] && incs+=(/tmp/pdl/w/paddle/include)
+  inst=$("$PY" -c "import paddle; print(paddle.sysconfig.get_include())" 2>/dev/null || true)
+  [[ -n "$inst" && -d "$inst" ]] && incs+=("$inst")
+fi
+if (( ${#incs[@]} == 0 )); then
+  echo "no Paddle include directory found: pass one (or run ../shared/gpu-paddle/prepare.sh)" >&2
+  exit 2
+fi
+rc=0
+for inc in "${incs[@]}"; do
+  echo "== $inc"
+  # build.py is run as a script: no import of the fdlite package (and so of Paddle) is needed.
+  "$PY" fdlite/ops/gpu/build.py --compile-only "$inc" || rc=1
+done
+exit $rc

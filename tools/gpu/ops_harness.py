@@ -1,0 +1,1095 @@
+#!/usr/bin/env python3
+"""Device-side checks and micro-benchmarks of fdlite's GPU ops (fdlite/ops/csrc/ops_*.cu).
+
+Runs on the GPU machine under Paddle 2.6.2 (PyPI's only GPU wheel: host framework only, its own
+kernels do nothing on sm_90), after tools/gpu/run_ops_tests.sh has staged Paddle. Every op is
+compared with a float64 numpy reference (torch only times GEMMs for comparison), eagerly and inside
+a Paddle CUDAGraph whose input buffers are rewritten between replays. Paddle's allocator cache is
+seeded with NaN first (and the KV caches are NaN wherever nothing was written), so an op that does
+nothing, a stray Paddle built-in, or a read of unwritten cache memory shows up as NaN or garbage.
+
+    python3 tools/gpu/ops_harness.py --out DIR [--quick] [--no-bench]
+
+Writes DIR/ops_results.json: checks (name, status, max error, tolerance, detail) and benchmarks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+# Import fdlite.ops.gpu without running fdlite/__init__.py (the engine, tokenizers...): stub packages.
+for _name, _path in (("fdlite", ROOT / "fdlite"), ("fdlite.ops", ROOT / "fdlite" / "ops")):
+    if _name not in sys.modules:
+        _m = types.ModuleType(_name)
+        _m.__path__ = [str(_path)]
+        sys.modules[_name] = _m
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/fdl_ops_out")
+ap.add_argument("--quick", action="store_true", help="fewer shapes, no long contexts")
+ap.add_argument("--no-bench", action="store_true")
+ap.add_argument("--lib", default=None, help="prebuilt library (default: build into the cache)")
+ARGS = ap.parse_args()
+os.makedirs(ARGS.out, exist_ok=True)
+RES: dict = {"checks": [], "bench": {}, "info": {}}
+T0 = time.time()
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save():
+    with open(os.path.join(ARGS.out, "ops_results.json"), "w") as f:
+        json.dump(RES, f, indent=1, default=str)
+
+
+def check(name, fn):
+    """fn() -> (ok: bool, err: float, tol: float, detail: str)."""
+    t = time.time()
+    try:
+        ok, err, tol, detail = fn()
+        status = "pass" if ok else "FAIL"
+    except Exception as e:  # noqa: BLE001 - every failure is recorded, the run goes on
+        status, err, tol, detail = "ERROR", None, None, f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
+        traceback.print_exc()
+    RES["checks"].append({"name": name, "status": status, "err": err, "tol": tol, "detail": detail,
+                          "s": round(time.time() - t, 2)})
+    e = "-" if err is None else f"{err:.2e}"
+    log(f"[{status}] {name}: err={e} tol={tol} {detail}")
+    return status == "pass"
+
+
+# ------------------------------------------------------------------ build + load
+from fdlite.ops.gpu import build as gbuild  # noqa: E402
+
+t = time.time()
+LIB = ARGS.lib or gbuild.build(verbose=False)
+RES["info"]["build_s"] = round(time.time() - t, 1)
+report = Path(LIB).parent / "ptxas_report.txt"
+if report.is_file():
+    import re
+
+    spills = [ln.strip() for ln in report.read_text().splitlines()
+              if re.search(r"[1-9]\d* bytes spill stores", ln)]
+    RES["info"]["ptxas_spill_lines"] = spills
+log(f"library {LIB} (build/cache {RES['info']['build_s']} s)")
+
+t = time.time()
+import paddle  # noqa: E402
+
+paddle.set_device("gpu")
+import fdlite.ops.gpu as G  # noqa: E402
+from fdlite.ops import random as noise  # noqa: E402
+from fdlite.ops.gpu import sampling_ref  # noqa: E402
+
+G.load(LIB)
+RES["info"]["import_and_register_s"] = round(time.time() - t, 1)
+from paddle.device.cuda.graphs import CUDAGraph  # noqa: E402
+
+props = paddle.device.cuda.get_device_properties(0)
+RES["info"]["device"] = {"name": props.name, "total_memory_GiB": round(props.total_memory / 2**30, 1),
+                         "sms": props.multi_processor_count, "cc": [props.major, props.minor],
+                         "paddle": paddle.__version__, "paddle_cuda": paddle.version.cuda(),
+                         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+log("device:", RES["info"]["device"])
+CPU = paddle.CPUPlace()
+rng = np.random.default_rng(1234)
+
+
+# ------------------------------------------------------------------ host <-> device, rounding
+def bf16_bits(a):
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+
+
+def bits_f32(b):
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def q(a, dt):
+    """Round to dtype dt and back to float32 (NaN-preserving for bf16)."""
+    a = np.asarray(a, dtype=np.float32)
+    if dt == "float32":
+        return a.copy()
+    if dt == "float16":
+        return a.astype(np.float16).astype(np.float32)
+    out = bits_f32(bf16_bits(a))
+    out[np.isnan(a)] = np.nan
+    return out
+
+
+def to_gpu(a, dt):
+    """numpy -> GPU tensor of dtype dt by host-to-device copy only (no Paddle kernel)."""
+    if dt in ("int32", "int64"):
+        return paddle.to_tensor(np.ascontiguousarray(a, dtype=dt), place=paddle.CUDAPlace(0))
+    a = np.asarray(a, dtype=np.float32)
+    if dt == "float32":
+        return paddle.to_tensor(np.ascontiguousarray(a), place=paddle.CUDAPlace(0))
+    if dt == "float16":
+        return paddle.to_tensor(a.astype(np.float16), place=paddle.CUDAPlace(0))
+    t = paddle.to_tensor(bf16_bits(a), place=paddle.CUDAPlace(0))
+    assert t.dtype == paddle.bfloat16, t.dtype
+    return t
+
+
+def host(a, dt):
+    """numpy -> CPU tensor of dtype dt (for copy_ from the host)."""
+    if dt == "bfloat16":
+        return paddle.to_tensor(bf16_bits(a), place=CPU)
+    return paddle.to_tensor(np.ascontiguousarray(a, dtype=dt), place=CPU)
+
+
+def to_np(t):
+    a = t.numpy()
+    if t.dtype == paddle.bfloat16:
+        return bits_f32(a.view(np.uint16)) if a.dtype != np.float32 else a
+    if a.dtype in (np.int32, np.int64):
+        return a
+    return a.astype(np.float32)
+
+
+def empty(shape, dt):
+    return paddle.empty(shape, dtype=dt)
+
+
+def sync():
+    paddle.device.synchronize()
+
+
+def relerr(got, ref):
+    """max |got - ref| / max |ref|; NaN anywhere in got -> inf."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if got.shape != ref.shape:
+        return math.inf
+    if not np.all(np.isfinite(got[np.isfinite(ref)])) or np.isnan(got).sum() != np.isnan(ref).sum():
+        return math.inf
+    m = np.isfinite(ref)
+    if not m.any():
+        return 0.0
+    return float(np.max(np.abs(got[m] - ref[m])) / max(np.max(np.abs(ref[m])), 1e-30))
+
+
+TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # one-to-two ulps of the output dtype
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def poison(gib: float = 2.0):
+    """Fill Paddle's allocator cache with NaN (chunks of many sizes), then free it: a kernel that
+    does not write its output leaves NaN behind."""
+    held = []
+    for mb in (1, 3, 17, 64, 256):
+        n = int(mb * 2**20 / 4)
+        for _ in range(max(1, int(gib * 1024 / 5 / mb))):
+            x = empty([n], "float32")
+            G.fill_(x, float("nan"))
+            held.append(x)
+    sync()
+    del held
+
+
+# ------------------------------------------------------------------ timing
+class Ev:
+    def __init__(self):
+        self.h = G.capi().fdl_event_create()
+
+    def record(self):
+        G.capi().fdl_event_record(self.h, paddle.device.current_stream().stream_base.cuda_stream)
+
+    def ms_to(self, end):
+        return G.capi().fdl_event_elapsed_ms(self.h, end.h)
+
+
+def graph_time_us(fn, per_graph: int = 20, replays: int = 10):
+    """GPU time per call of fn: a graph of per_graph calls, replayed `replays` times (median)."""
+    fn()
+    sync()
+    g = CUDAGraph()
+    g.capture_begin()
+    for _ in range(per_graph):
+        fn()
+    g.capture_end()
+    g.replay()
+    sync()
+    times = []
+    for _ in range(replays):
+        e0, e1 = Ev(), Ev()
+        e0.record()
+        g.replay()
+        e1.record()
+        times.append(e0.ms_to(e1) * 1e3 / per_graph)
+    g.reset()
+    return float(np.median(times))
+
+
+def eager_us(fn, n=200):
+    for _ in range(5):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+# ================================================================== (a) fill / cast / copy / gather
+log("\n=== (a) fill, cast, copy, gather")
+poison()
+
+
+def t_fill(dt, n):
+    def f():
+        x = empty([n], dt)
+        val = 3 if dt in ("int32", "int64") else -1.5
+        G.fill_(x, val)
+        big = None
+        if dt == "int64":
+            big = empty([n], dt)
+            G.fill_(big, 2**40 + 7)
+        sync()
+        ok = np.all(to_np(x) == val) and (big is None or np.all(to_np(big) == 2**40 + 7))
+        return bool(ok), 0.0 if ok else math.inf, 0, f"n={n}"
+    return f
+
+
+for dt in ("float32", "float16", "bfloat16", "int32", "int64"):
+    for n in (1, 1000003):
+        check(f"fill_ {dt} n={n}", t_fill(dt, n))
+
+
+def t_cast(src_dt, dst_dt, n):
+    def f():
+        if src_dt in ("int32", "int64"):
+            a = rng.integers(-1000, 1000, n).astype(src_dt)
+        else:
+            a = q(rng.standard_normal(n).astype(np.float32) * 100, src_dt)
+        s = to_gpu(a, src_dt)
+        d = empty([n], dst_dt)
+        G.cast_(d, s)
+        sync()
+        got = to_np(d)
+        if dst_dt in ("int32", "int64"):
+            ref = np.trunc(np.asarray(a, dtype=np.float64)).astype(dst_dt) if src_dt not in ("int32", "int64") \
+                else a.astype(dst_dt)
+            ok = np.array_equal(got, ref)
+            return ok, 0.0 if ok else math.inf, 0, ""
+        ref = q(np.asarray(a, dtype=np.float32), dst_dt)
+        ok = np.array_equal(got, ref)
+        return ok, 0.0 if ok else relerr(got, ref), 0, ""
+    return f
+
+
+for s_dt in ("float32", "float16", "bfloat16", "int32", "int64"):
+    for d_dt in ("float32", "float16", "bfloat16", "int32", "int64"):
+        check(f"cast_ {s_dt}->{d_dt} n=100003", t_cast(s_dt, d_dt, 100003))
+
+
+def t_copy(dt, how):
+    def f():
+        rows, cols = 10, 1001
+        a = rng.standard_normal((rows, cols)).astype(np.float32) if dt not in ("int32", "int64") else \
+            rng.integers(-2**31, 2**31 - 1, (rows, cols)).astype(dt)
+        a = q(a, dt) if dt not in ("int32", "int64") else a
+        buf = to_gpu(np.full((rows, cols), 7, np.float32) if dt not in ("int32", "int64") else np.full((rows, cols), 7, dt), dt)
+        part = a[3:7]
+        if how == "fdl_copy_ gpu->gpu row slice":
+            G.copy_(buf[3:7], to_gpu(part, dt))
+        elif how == "fdl_copy_ pageable host->gpu row slice":
+            G.copy_(buf[3:7], host(part, dt))
+        elif how == "Tensor.copy_ host->gpu row slice":
+            v = buf[3:7]
+            v.copy_(host(part, dt), False)
+        sync()
+        ref = np.full((rows, cols), 7, a.dtype if dt in ("int32", "int64") else np.float32)
+        ref[3:7] = part
+        got = to_np(buf)
+        ok = np.array_equal(got, ref)
+        return ok, 0.0 if ok else math.inf, 0, "rows 3:7 replaced, the rest untouched" if ok else \
+            f"rows equal per row: {[bool(np.array_equal(got[i], ref[i])) for i in range(rows)]}"
+    return f
+
+
+for dt in ("float32", "bfloat16", "int64", "int32"):
+    for how in ("fdl_copy_ gpu->gpu row slice", "fdl_copy_ pageable host->gpu row slice", "Tensor.copy_ host->gpu row slice"):
+        check(f"{how} {dt}", t_copy(dt, how))
+
+
+def t_gather(dt, idx_dt, rows, cols, m, offset, use_out):
+    def f():
+        src_np = q(rng.standard_normal((rows, cols)), dt) if dt not in ("int32", "int64") else \
+            rng.integers(-100, 100, (rows, cols)).astype(dt)
+        idx = rng.integers(offset - 3, offset + rows + 3, m)  # some outside the shard -> zeros
+        src = to_gpu(src_np, dt)
+        ix = to_gpu(idx, idx_dt)
+        if use_out:
+            out = empty([m, cols], dt)
+            G.gather_rows(src, ix, offset, out=out)
+        else:
+            out = G.gather_rows(src, ix, offset)
+        sync()
+        ref = np.zeros((m, cols), dtype=np.float32 if dt not in ("int32", "int64") else dt)
+        inside = (idx - offset >= 0) & (idx - offset < rows)
+        ref[inside] = src_np[idx[inside] - offset]
+        got = to_np(out)
+        ok = np.array_equal(got, ref)
+        return ok, 0.0 if ok else math.inf, 0, f"{int((~inside).sum())} of {m} ids outside the shard"
+    return f
+
+
+for dt, cols in (("bfloat16", 1024), ("float32", 1024), ("float16", 3), ("bfloat16", 7), ("int64", 5)):
+    for idx_dt in ("int64", "int32"):
+        check(f"gather_rows {dt} [50,{cols}] idx {idx_dt} offset 100", t_gather(dt, idx_dt, 50, cols, 37, 100, False))
+check("gather_rows_ (out=) bfloat16 Qwen3 embedding [151936,1024] T=300",
+      t_gather("bfloat16", "int64", 151936, 1024, 300, 0, True))
+save()
+
+# ================================================================== (b) norms, activation
+log("\n=== (b) RMSNorm, fused add + RMSNorm, SiLU-and-mul")
+poison()
+
+
+def rms_ref(x, w, eps, dt):
+    x64 = x.astype(np.float64)
+    inv = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return q(q(x64 * inv, dt).astype(np.float64) * w.astype(np.float64), dt)
+
+
+def t_rms(dt, shape, fused):
+    def f():
+        eps = 1e-6
+        x = q(rng.standard_normal(shape) * 2, dt)
+        r = q(rng.standard_normal(shape), dt)
+        w = q(1 + 0.2 * rng.standard_normal(shape[-1]), dt)
+        xg, wg = to_gpu(x, dt), to_gpu(w, dt)
+        if fused:
+            rg = to_gpu(r, dt)
+            G.fused_add_rms_norm_(xg, rg, wg, eps)
+            sync()
+            res_ref = q(x.astype(np.float64) + r, dt)
+            e1 = relerr(to_np(rg), res_ref)
+            e2 = relerr(to_np(xg), rms_ref(res_ref, w, eps, dt))
+            err = max(e1, e2)
+            return err <= TOL[dt], err, TOL[dt], f"residual {e1:.1e}, normed {e2:.1e}"
+        y = G.rms_norm(xg, wg, eps)
+        sync()
+        err = relerr(to_np(y), rms_ref(x, w, eps, dt))
+        return err <= TOL[dt], err, TOL[dt], ""
+    return f
+
+
+def t_silu(dt, t, inter):
+    def f():
+        x = q(rng.standard_normal((t, 2 * inter)) * 3, dt)
+        y = G.silu_and_mul(to_gpu(x, dt))
+        sync()
+        g64, u64 = x[:, :inter].astype(np.float64), x[:, inter:].astype(np.float64)
+        ref = q(q(g64 / (1 + np.exp(-g64)), dt).astype(np.float64) * u64, dt)
+        err = relerr(to_np(y), ref)
+        return err <= TOL[dt], err, TOL[dt], f"shape {list(y.shape)}"
+    return f
+
+
+for dt in DTYPES:
+    for shape in ((1, 1024), (37, 1024), (5, 4096), (3, 1000), (2, 3, 8192)):
+        check(f"rms_norm {dt} {shape}", t_rms(dt, shape, False))
+        check(f"fused_add_rms_norm_ {dt} {shape}", t_rms(dt, shape, True))
+    for t_, inter in ((1, 3072), (37, 3072), (5, 1001)):
+        check(f"silu_and_mul {dt} [{t_},{2 * inter}]", t_silu(dt, t_, inter))
+save()
+
+# ================================================================== (c) linear
+log("\n=== (c) linear (cuBLASLt)")
+poison()
+
+
+def t_linear(dt, m, k, n, bias, trans_w, out_fp32=False):
+    def f():
+        x = q(rng.standard_normal((m, k)), dt)
+        w = q(rng.standard_normal((n, k) if trans_w else (k, n)) * 0.05, dt)
+        b = q(rng.standard_normal(n) * 0.1, dt) if bias else None
+        xg, wg = to_gpu(x, dt), to_gpu(w, dt)
+        bg = to_gpu(b, dt) if bias else None
+        if out_fp32:
+            out = empty([m, n], "float32")
+            y = G.linear(xg, wg, bg, trans_w, out=out)
+        else:
+            y = G.linear(xg, wg, bg, trans_w)
+        sync()
+        ref = x.astype(np.float64) @ (w.T if trans_w else w).astype(np.float64)
+        if bias:
+            ref = ref + b
+        ref = ref if out_fp32 else q(ref, dt)
+        err = relerr(to_np(y), ref)
+        tol = 1e-5 if (dt == "float32" or out_fp32) and dt == "float32" else (2e-3 if out_fp32 else TOL[dt])
+        if out_fp32 and dt != "float32":
+            tol = 2e-3
+        return err <= tol, err, tol, f"y {list(y.shape)} {y.dtype}"
+    return f
+
+
+QWEN = dict(hidden=1024, heads=16, kv_heads=8, head_dim=128, inter=3072, vocab=151936)
+MS = (1, 7, 64, 256) if not ARGS.quick else (1, 64)
+for dt in ("bfloat16", "float32", "float16"):
+    for m in MS:
+        check(f"linear {dt} qkv M={m} [1024->4096]", t_linear(dt, m, 1024, 4096, False, False))
+        if dt != "float16":
+            check(f"linear {dt} qkv+bias M={m} [1024->4096]", t_linear(dt, m, 1024, 4096, True, False))
+            check(f"linear {dt} down M={m} [3072->1024]", t_linear(dt, m, 3072, 1024, False, False))
+    check(f"linear {dt} odd M=5 [1000->1003] +bias", t_linear(dt, 5, 1000, 1003, True, False))
+check("linear bfloat16 tied LM head (trans_w) M=3 [1024->151936] float32 out",
+      t_linear("bfloat16", 3, 1024, 151936, False, True, out_fp32=True))
+check("linear float32 tied LM head (trans_w) M=2 [1024->151936]", t_linear("float32", 2, 1024, 151936, False, True))
+save()
+
+# ================================================================== (d) rope + q/k norm + cache write
+log("\n=== (d) rotary + q/k norm + KV-cache write")
+poison()
+
+
+def rope_tables(d, max_pos, theta=1e6):
+    inv = (1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(np.float32)
+    fr = np.arange(max_pos, dtype=np.float32)[:, None] * inv[None, :]
+    emb = np.concatenate([fr, fr], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def rope_ref(x, pos, cos, sin):
+    half = x.shape[-1] // 2
+    c, s = cos[pos][:, None, :].astype(np.float64), sin[pos][:, None, :].astype(np.float64)
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * c + rot * s
+
+
+def head_norm_ref(x, w, eps, dt):
+    x64 = x.astype(np.float64)
+    inv = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return q(q(x64 * inv, dt).astype(np.float64) * w, dt).astype(np.float64)
+
+
+def cache_row(slot, j, kvh, bs):
+    return (slot // bs * kvh + j) * bs + slot % bs
+
+
+def t_rope(dt, T, h, kvh, d, bs, num_blocks, qk_norm, table_dt):
+    def f():
+        eps = 1e-6
+        max_pos = 4096
+        cos, sin = rope_tables(d, max_pos)
+        cos_t, sin_t = q(cos, table_dt), q(sin, table_dt)
+        qkv = q(rng.standard_normal((T, (h + 2 * kvh) * d)) * 2, dt)
+        pos = rng.integers(0, max_pos, T)
+        slots = rng.choice(num_blocks * bs, T, replace=False).astype(np.int64)
+        slots[::5] = -1  # write nothing
+        qw = q(1 + 0.2 * rng.standard_normal(d), dt)
+        kw = q(1 + 0.2 * rng.standard_normal(d), dt)
+        kc = to_gpu(np.full((num_blocks + 1, kvh, bs, d), np.nan, np.float32), dt)
+        vc = to_gpu(np.full((num_blocks + 1, kvh, bs, d), np.nan, np.float32), dt)
+        qo = G.rope_qk_norm_cache(to_gpu(qkv, dt), to_gpu(pos, "int64"), to_gpu(slots, "int64"), to_gpu(cos_t, table_dt),
+                                  to_gpu(sin_t, table_dt), kc, vc, h, to_gpu(qw, dt) if qk_norm else None,
+                                  to_gpu(kw, dt) if qk_norm else None, eps)
+        sync()
+        x = qkv.reshape(T, h + 2 * kvh, d).astype(np.float64)
+        qx, kx, vx = x[:, :h], x[:, h:h + kvh], x[:, h + kvh:]
+        if qk_norm:
+            qx, kx = head_norm_ref(qx, qw, eps, dt), head_norm_ref(kx, kw, eps, dt)
+        q_ref = q(rope_ref(qx, pos, cos_t, sin_t), dt)
+        k_ref = q(rope_ref(kx, pos, cos_t, sin_t), dt)
+        e_q = relerr(to_np(qo), q_ref)
+        kcn = to_np(kc).reshape(-1, d)
+        vcn = to_np(vc).reshape(-1, d)
+        written = np.zeros(kcn.shape[0], bool)
+        gk, rk, gv, rv = [], [], [], []
+        for t_ in range(T):
+            if slots[t_] < 0:
+                continue
+            for j in range(kvh):
+                r = cache_row(int(slots[t_]), j, kvh, bs)
+                written[r] = True
+                gk.append(kcn[r]); rk.append(k_ref[t_, j]); gv.append(vcn[r]); rv.append(q(vx[t_, j], dt))
+        e_k, e_v = relerr(np.array(gk), np.array(rk)), relerr(np.array(gv), np.array(rv))
+        untouched = bool(np.all(np.isnan(kcn[~written])) and np.all(np.isnan(vcn[~written])))
+        err = max(e_q, e_k, e_v)
+        tol = TOL[dt] * 2
+        return err <= tol and untouched, err, tol, f"q {e_q:.1e} k {e_k:.1e} v {e_v:.1e}; other slots untouched: {untouched}"
+    return f
+
+
+for dt in DTYPES:
+    check(f"rope_qk_norm_cache {dt} Qwen3 (16/8 heads, d128, bs64) qk_norm, fp32 table",
+          t_rope(dt, 37, 16, 8, 128, 64, 12, True, "float32"))
+    check(f"rope_qk_norm_cache {dt} no qk_norm, {dt} table, bs16", t_rope(dt, 29, 16, 8, 128, 16, 40, False, dt))
+check("rope_qk_norm_cache bfloat16 d64 14/2 heads (Qwen2.5-0.5B-like)", t_rope("bfloat16", 23, 14, 2, 64, 64, 5, False, "float32"))
+check("rope_qk_norm_cache float32 d256 8/4 heads", t_rope("float32", 9, 8, 4, 256, 32, 4, True, "float32"))
+save()
+
+# ================================================================== (e) paged attention
+log("\n=== (e) paged attention")
+poison()
+
+
+class Batch:
+    """A flat varlen batch over a paged cache filled with NaN except where rows' KV was written."""
+
+    def __init__(self, rows, h, kvh, d, bs, dt, extra_blocks=3, scratch_rows=(), num_blocks=None, max_blocks=None):
+        # rows: list of (q_len, kv_len); scratch_rows: padded rows (1, 1) that read the scratch block
+        self.rows, self.h, self.kvh, self.d, self.bs, self.dt = rows, h, kvh, d, bs, dt
+        nb_row = [max(1, -(-kv // bs)) for _, kv in rows]
+        self.num_blocks = num_blocks or sum(nb_row) + extra_blocks
+        self.max_blocks = max_blocks or max(nb_row) + 1
+        assert self.num_blocks >= sum(nb_row) and self.max_blocks >= max(nb_row)
+        perm = rng.permutation(self.num_blocks)  # scattered blocks, shared by no two rows
+        self.bt = np.full((len(rows), self.max_blocks), -1, np.int32)
+        k = np.full((self.num_blocks + 1, kvh, bs, d), np.nan, np.float32)
+        v = np.full((self.num_blocks + 1, kvh, bs, d), np.nan, np.float32)
+        self.K, self.V = [], []  # per row: [kv_len, kvh, d] (rounded)
+        scratch = (q(rng.standard_normal((1, kvh, d)), dt), q(rng.standard_normal((1, kvh, d)), dt))
+        o = 0
+        for r, (ql, kv) in enumerate(rows):
+            blocks = perm[o:o + nb_row[r]]
+            o += nb_row[r]
+            if r in scratch_rows:  # every padded row reads the scratch block's first slot
+                blocks = np.array([self.num_blocks])
+                kr, vr = scratch
+            else:
+                kr = q(rng.standard_normal((kv, kvh, d)), dt)
+                vr = q(rng.standard_normal((kv, kvh, d)), dt)
+            self.bt[r, :len(blocks)] = blocks
+            for p in range(kv):
+                k[blocks[p // bs], :, p % bs] = kr[p]
+                v[blocks[p // bs], :, p % bs] = vr[p]
+            self.K.append(kr)
+            self.V.append(vr)
+        self.k_np, self.v_np = k, v
+        self.cu = np.concatenate([[0], np.cumsum([ql for ql, _ in rows])]).astype(np.int32)
+        self.T = int(self.cu[-1])
+        self.q = q(rng.standard_normal((self.T, h, d)), dt)
+        self.kc, self.vc = to_gpu(k, dt), to_gpu(v, dt)
+        self.seq = np.array([kv for _, kv in rows], np.int32)
+
+    def ref(self, scale):
+        g = self.h // self.kvh
+        out = np.zeros((self.T, self.h, self.d))
+        for r, (ql, kv) in enumerate(self.rows):
+            if ql == 0 or kv == 0:  # nothing to attend to: zeros
+                continue
+            t0 = self.cu[r]
+            pos = kv - ql + np.arange(ql)
+            for j in range(self.kvh):
+                kk = self.K[r][:, j].astype(np.float64)  # [kv, d]
+                vv = self.V[r][:, j].astype(np.float64)
+                qh = self.q[t0:t0 + ql, j * g:(j + 1) * g].astype(np.float64)  # [ql, g, d]
+                s = np.einsum("qgd,kd->qgk", qh, kk) * scale
+                mask = np.arange(kv)[None, None, :] <= pos[:, None, None]
+                s = np.where(mask, s, -np.inf)
+                mx = s.max(-1, keepdims=True)
+                mx = np.where(np.isfinite(mx), mx, 0)
+                p = np.exp(s - mx)
+                den = p.sum(-1, keepdims=True)
+                o = np.einsum("qgk,kd->qgd", p, vv) / np.where(den > 0, den, 1)
+                out[t0:t0 + ql, j * g:(j + 1) * g] = o
+        return out.reshape(self.T, -1)
+
+    def inputs(self):
+        return (to_gpu(self.q, self.dt), self.kc, self.vc, to_gpu(self.bt, "int32"), to_gpu(self.seq, "int32"),
+                to_gpu(self.cu, "int32"))
+
+
+def t_attn(rows, h=16, kvh=8, d=128, bs=64, dt="bfloat16", splits=0, max_q_len=0, **kw):
+    def f():
+        b = Batch(rows, h, kvh, d, bs, dt, **kw)
+        scale = d ** -0.5
+        out = G.paged_attention(*b.inputs(), scale, max_q_len, splits)
+        sync()
+        ref = b.ref(scale)
+        ref = q(ref, dt) if dt != "float32" else ref
+        err = relerr(to_np(out), ref)
+        tol = {"float32": 1e-5, "bfloat16": 1.6e-2, "float16": 2e-3}[dt]
+        return err <= tol, err, tol, f"T={b.T} rows={len(rows)} blocks={b.num_blocks}"
+    return f
+
+
+decode_rows = [(1, 1), (1, 63), (1, 64), (1, 65), (1, 200), (1, 1000)]
+mixed_rows = [(1, 130), (1, 7), (3, 70),          # decodes (one speculative-style 3-token row)
+              (37, 37), (50, 150),                # prompt; chunk after a 100-token cached prefix (crosses blocks)
+              (64, 64 * 3 + 5), (5, 128),         # chunked prefill; 5-token chunk at a block boundary
+              (1, 0)]                             # padded row: reads nothing, outputs zeros
+for dt in DTYPES:
+    check(f"paged_attention decode {dt} Qwen3 (16/8, d128, bs64)", t_attn(decode_rows, dt=dt))
+    check(f"paged_attention mixed decode+prefill {dt}", t_attn(mixed_rows, dt=dt))
+for s in (2, 5, 16):
+    check(f"paged_attention decode splits={s} bf16", t_attn(decode_rows, splits=s))
+check("paged_attention mixed, splits=4, max_q_len=64 bf16", t_attn(mixed_rows, splits=4, max_q_len=64))
+check("paged_attention decode-only graph attrs (max_q_len=1) + scratch-block padded rows",
+      t_attn([(1, 100), (1, 1), (1, 1)], max_q_len=1, scratch_rows=(1, 2)))
+check("paged_attention bs16 d64 14/2 heads (g=7) mixed bf16", t_attn(mixed_rows, h=14, kvh=2, d=64, bs=16))
+check("paged_attention d256 8/1 heads (g=8) mixed fp32", t_attn(mixed_rows[:5], h=8, kvh=1, d=256, bs=32, dt="float32"))
+check("paged_attention MHA (g=1) d128 decode+prefill fp16", t_attn([(1, 90), (20, 80)], h=4, kvh=4, dt="float16"))
+check("paged_attention g=16 (16/1 heads) decode splits=3", t_attn(decode_rows[:4], h=16, kvh=1, splits=3))
+if not ARGS.quick:
+    check("paged_attention long decode 4096 + prefill 1000 after 3000 cached, bf16",
+          t_attn([(1, 4096), (1, 2500), (1000, 4000)]))
+save()
+
+# ================================================================== (f) logits, argmax, sampling
+log("\n=== (f) LM-head logits, argmax, sampling")
+poison()
+
+
+def t_argmax():
+    S, V = 33, 151936
+    x = rng.standard_normal((S, V)).astype(np.float32)
+    x[3, 100] = x[3, 5000] = 50.0  # ties: first index wins
+    x[4, :] = -np.inf
+    x[5, 7] = np.nan
+    x[5, 9] = 60.0
+    got = to_np(G.argmax(to_gpu(x, "float32")))
+    ref = np.argmax(np.where(np.isnan(x), -np.inf, x), axis=1)
+    ok = np.array_equal(got, ref)
+    return ok, 0.0 if ok else math.inf, 0, f"S={S} V={V} ties/-inf/NaN rows included"
+
+
+check("argmax [33,151936] float32", t_argmax)
+
+
+def t_uniform():
+    n = 4096
+    seeds = rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64)
+    pos = rng.integers(0, 1 << 40, n)
+    ok = True
+    for rnd in (0, 1, 7):
+        got = to_np(G.uniform(to_gpu(seeds, "int64"), to_gpu(pos, "int64"), rnd))
+        ok &= np.array_equal(got, noise.uniforms(seeds, pos, rnd, np.float32))
+    return bool(ok), 0.0 if ok else math.inf, 0, "bit-exact vs fdlite.ops.random.uniforms(float32) for rounds 0, 1, 7"
+
+
+check("uniform (counter-based noise) GPU == numpy", t_uniform)
+
+
+def t_sample(S, V, peaky=3.0):
+    def f():
+        x = (rng.standard_normal((S, V)) * peaky).astype(np.float32)
+        temp = rng.choice([0.0, 0.5, 0.7, 1.0, 1.3], S).astype(np.float32)
+        topk = rng.choice([0, 1, 5, 50, 1000], S).astype(np.int32)
+        topp = rng.choice([1.0, 0.9, 0.5, 0.99], S).astype(np.float32)
+        minp = rng.choice([0.0, 0.0, 0.05, 0.2], S).astype(np.float32)
+        seeds = rng.integers(0, 2**63 - 1, S, dtype=np.int64)
+        pos = rng.integers(0, 5000, S)
+        got = to_np(G.sample(to_gpu(x, "float32"), to_gpu(temp, "float32"), to_gpu(topk, "int32"),
+                             to_gpu(topp, "float32"), to_gpu(minp, "float32"), to_gpu(seeds, "int64"),
+                             to_gpu(pos, "int64")))
+        exact = boundary = bad = 0
+        for s in range(S):
+            tok, det = sampling_ref.sample_row(x[s], temp[s], topk[s], topp[s], minp[s], seeds[s], pos[s], detail=True)
+            if got[s] == tok:
+                exact += 1
+            elif det is not None and det["kept"][got[s]]:
+                # a neighbour of the reference draw (expf last-bit differences move the boundary)
+                c = det["cum"].astype(np.float64)
+                near = abs(c[min(tok, got[s])] - det["target"]) <= 1e-6 * det["z"]
+                boundary += int(near)
+                bad += int(not near)
+            else:
+                bad += 1
+        ok = bad == 0 and exact >= 0.99 * S
+        return ok, bad / S, 0, f"{exact}/{S} identical to sampling_ref, {boundary} at a boundary, {bad} wrong"
+    return f
+
+
+check("sample [256,151936] mixed greedy/temperature/top-k/top-p/min-p vs numpy reference", t_sample(256, 151936))
+check("sample [64,1000] flat logits (many ties)", t_sample(64, 1000, peaky=0.01))
+
+
+def t_sample_dist():
+    V, S = 50, 20000
+    row = (rng.standard_normal(V) * 2).astype(np.float32)
+    x = np.tile(row, (S, 1))
+    temp, k, p, mp = 0.8, 20, 0.9, 0.02
+    got = to_np(G.sample(to_gpu(x, "float32"), to_gpu(np.full(S, temp, np.float32), "float32"),
+                         to_gpu(np.full(S, k, np.int32), "int32"), to_gpu(np.full(S, p, np.float32), "float32"),
+                         to_gpu(np.full(S, mp, np.float32), "float32"), to_gpu(np.full(S, 42, np.int64), "int64"),
+                         to_gpu(np.arange(S, dtype=np.int64), "int64")))
+    xs = row / np.float32(temp)
+    thr = sampling_ref.threshold(xs, k, p, mp)
+    kept = xs >= thr
+    pr = np.where(kept, np.exp(xs.astype(np.float64) - xs.max()), 0)
+    pr /= pr.sum()
+    freq = np.bincount(got, minlength=V) / S
+    tv = 0.5 * np.abs(freq - pr).sum()
+    outside = int((~kept[got]).sum())
+    ok = tv < 0.02 and outside == 0
+    return ok, tv, 0.02, f"total variation over {S} draws (positions 0..{S - 1}); {int(kept.sum())} kept; {outside} outside"
+
+
+check("sample distribution (one row, 20000 positions) matches the filtered softmax", t_sample_dist)
+
+
+def t_lm_head():
+    T, H, V = 40, 1024, 151936
+    hid = q(rng.standard_normal((T, H)), "bfloat16")
+    emb = q(rng.standard_normal((V, H)) * 0.02, "bfloat16")
+    rows = np.array([3, 17, 39], np.int64)
+    out = G.lm_head_logits(to_gpu(hid, "bfloat16"), to_gpu(rows, "int64"), to_gpu(emb, "bfloat16"), trans_w=True)
+    sync()
+    ref = hid[rows].astype(np.float64) @ emb.T.astype(np.float64)
+    err = relerr(to_np(out), ref)
+    return err <= 2e-3, err, 2e-3, f"{out.dtype} {list(out.shape)}"
+
+
+check("lm_head_logits (gather 3 of 40 rows + tied head, float32 out)", t_lm_head)
+save()
+
+# ================================================================== graphs: a whole decoder layer + sampling
+log("\n=== CUDA graph: one Qwen3-shaped decoder layer + LM head + sampling, inputs rewritten between replays")
+
+
+def t_graph_layer2(dt):
+    """Eager vs graph on identical inputs: every step's inputs are drawn first, then fed to both."""
+    def f():
+        H, h, kvh, d, I, V = 1024, 16, 8, 128, 3072, 4096
+        bs, nb, max_blocks, B, live = 16, 64, 8, 8, 6
+        eps, scale = 1e-6, d ** -0.5
+        W = {n: to_gpu(q(rng.standard_normal(s) * sc + mu, dt), dt) for n, s, sc, mu in (
+            ("emb", (V, H), 0.5, 0), ("ln1", (H,), 0.1, 1), ("qkv", (H, (h + 2 * kvh) * d), 0.03, 0),
+            ("qn", (d,), 0.1, 1), ("kn", (d,), 0.1, 1), ("o", (h * d, H), 0.03, 0), ("ln2", (H,), 0.1, 1),
+            ("gu", (H, 2 * I), 0.03, 0), ("down", (I, H), 0.03, 0), ("lnf", (H,), 0.1, 1))}
+        cos, sin = rope_tables(d, 512)
+        cos_g, sin_g = to_gpu(cos, "float32"), to_gpu(sin, "float32")
+        hist_k = q(rng.standard_normal((nb + 1, kvh, bs, d)), dt)
+        hist_v = q(rng.standard_normal((nb + 1, kvh, bs, d)), dt)
+        kc0, vc0 = to_gpu(hist_k, dt), to_gpu(hist_v, dt)
+        kc, vc = to_gpu(hist_k, dt), to_gpu(hist_v, dt)
+        bufs = {"ids": empty([B], "int64"), "pos": empty([B], "int64"), "slots": empty([B], "int64"),
+                "bt": empty([B, max_blocks], "int32"), "seq": empty([B], "int32"), "cu": empty([B + 1], "int32"),
+                "rows": empty([B], "int64"), "temp": empty([B], "float32"), "tk": empty([B], "int32"),
+                "tp": empty([B], "float32"), "mp": empty([B], "float32"), "seeds": empty([B], "int64")}
+        blk = rng.permutation(nb)[: live * max_blocks].reshape(live, max_blocks).astype(np.int32)
+        kv0 = rng.integers(3, 100, live)
+        steps = []
+        for step in range(4):
+            kvl = kv0 + step
+            bt_n = np.full((B, max_blocks), nb, np.int32)
+            bt_n[:live] = blk
+            steps.append(dict(
+                ids=rng.integers(0, V, B).astype(np.int64),
+                pos=np.concatenate([kvl - 1, [0, 0]]).astype(np.int64),
+                slots=np.concatenate([blk[np.arange(live), (kvl - 1) // bs].astype(np.int64) * bs + (kvl - 1) % bs,
+                                      [-1, -1]]).astype(np.int64),
+                bt=bt_n, seq=np.concatenate([kvl, [0, 0]]).astype(np.int32), cu=np.arange(B + 1, dtype=np.int32),
+                rows=rng.permutation(B).astype(np.int64), temp=rng.choice([0.0, 0.8], B).astype(np.float32),
+                tk=np.full(B, 50, np.int32), tp=np.full(B, 0.9, np.float32), mp=np.zeros(B, np.float32),
+                seeds=rng.integers(0, 2**62, B).astype(np.int64)))
+
+        def write(vals):
+            for n, tns in bufs.items():
+                G.copy_(tns, host(vals[n], str(tns.dtype).replace("paddle.", "")))
+
+        def forward():
+            b = bufs
+            x = G.embedding(b["ids"], W["emb"])
+            res = empty([B, H], dt)
+            G.copy_(res, x)
+            hsn = G.rms_norm(x, W["ln1"], eps)
+            qq = G.rope_qk_norm_cache(G.linear(hsn, W["qkv"]), b["pos"], b["slots"], cos_g, sin_g, kc, vc, h,
+                                      W["qn"], W["kn"], eps)
+            att = G.paged_attention(qq, kc, vc, b["bt"], b["seq"], b["cu"], scale, 1, 0)
+            o = G.linear(att, W["o"])
+            G.fused_add_rms_norm_(o, res, W["ln2"], eps)
+            mlp = G.linear(G.silu_and_mul(G.linear(o, W["gu"])), W["down"])
+            G.fused_add_rms_norm_(mlp, res, W["lnf"], eps)
+            logits = G.lm_head_logits(mlp, b["rows"], W["emb"], trans_w=True)
+            return logits, G.argmax(logits), G.sample(logits, b["temp"], b["tk"], b["tp"], b["mp"], b["seeds"], b["pos"])
+
+        eager = []
+        for vals in steps:
+            write(vals)
+            outs = forward()
+            sync()
+            eager.append([to_np(o) for o in outs])
+        G.copy_(kc, kc0)
+        G.copy_(vc, vc0)
+        write(steps[0])
+        sync()
+        poison(1.0)
+        g = CUDAGraph()
+        g.capture_begin()
+        outs = forward()
+        g.capture_end()
+        G.copy_(kc, kc0)  # capture ran nothing; reset anyway
+        G.copy_(vc, vc0)
+        errs, tok_same = [], True
+        for i, vals in enumerate(steps):
+            write(vals)
+            g.replay()
+            sync()
+            got = [to_np(o) for o in outs]
+            errs.append(relerr(got[0], eager[i][0]))
+            tok_same &= bool(np.array_equal(got[1], eager[i][1]) and np.array_equal(got[2], eager[i][2]))
+        finite = all(np.isfinite(e[0]).all() for e in eager)
+        g.reset()
+        err = max(errs)
+        ok = err <= 1e-6 and tok_same and finite
+        return ok, err, 1e-6, (f"{len(steps)} replays vs eager on the same inputs: logits max rel diff {err:.1e}, "
+                               f"argmax+sample tokens identical: {tok_same}; eager logits finite: {finite}")
+    return f
+
+
+for dt in ("bfloat16", "float32"):
+    check(f"graph: decoder layer + LM head + argmax/sample, {dt}, 4 replays with new inputs", t_graph_layer2(dt))
+
+
+def t_graph_prefill_attention():
+    """One capture of a mixed batch (T = 31 tokens, 4 rows); replays with other contents of the same
+    shapes: new queries, and a different split of the 31 tokens over the rows (other q_len, kv_len,
+    block tables), as the runner's persistent buffers would hold them."""
+    layouts = [[(1, 50), (20, 120), (1, 0), (9, 9)], [(10, 10), (1, 200), (19, 60), (1, 1)],
+               [(28, 300), (1, 33), (1, 64), (1, 65)]]
+    batches = [Batch(r, 16, 8, 128, 64, "bfloat16", num_blocks=16, max_blocks=6) for r in layouts]
+    first = batches[0]
+    qg, kc, vc, btg, seqg, cug = first.inputs()
+    scale = 128 ** -0.5
+    G.paged_attention(qg, kc, vc, btg, seqg, cug, scale, 0, 0)
+    sync()
+    g = CUDAGraph()
+    g.capture_begin()
+    out = G.paged_attention(qg, kc, vc, btg, seqg, cug, scale, 0, 0)
+    g.capture_end()
+    errs = []
+    for b in batches[1:] + batches[:1]:
+        for dst, src in ((qg, to_gpu(b.q, "bfloat16")), (kc, b.kc), (vc, b.vc), (btg, to_gpu(b.bt, "int32")),
+                         (seqg, to_gpu(b.seq, "int32")), (cug, to_gpu(b.cu, "int32"))):
+            G.copy_(dst, src)
+        g.replay()
+        sync()
+        errs.append(relerr(to_np(out), q(b.ref(scale), "bfloat16")))
+    g.reset()
+    err = max(errs)
+    return err <= 1.6e-2, err, 1.6e-2, f"3 row layouts of 31 tokens through one graph: errors {[f'{e:.1e}' for e in errs]}"
+
+
+def t_graph_basic():
+    n = 1 << 16
+    x = empty([n], "float32")
+    y = empty([n], "bfloat16")
+    z = empty([n], "int64")
+    src = paddle.to_tensor(np.zeros(n, np.int64)).pin_memory() if hasattr(paddle.Tensor, "pin_memory") else None
+    g = CUDAGraph()
+    G.fill_(x, 1.0)
+    sync()
+    g.capture_begin()
+    G.fill_(x, 2.5)
+    G.cast_(y, x)
+    if src is not None:
+        G.copy_(z, src)
+    g.capture_end()
+    ok = True
+    for i in range(3):
+        G.fill_(x, 0.0)
+        G.fill_(y, 0.0)
+        if src is not None:
+            src.copy_(paddle.to_tensor(np.full(n, i + 7, np.int64), place=CPU), True)
+        g.replay()
+        sync()
+        ok &= bool(np.all(to_np(x) == 2.5) and np.all(to_np(y) == 2.5))
+        if src is not None:
+            ok &= bool(np.all(to_np(z) == i + 7))
+    g.reset()
+    return ok, 0.0 if ok else math.inf, 0, f"fill_/cast_{' + copy_ from pinned host' if src is not None else ''} replayed 3x"
+
+
+check("graph: fill_, cast_, copy_ from pinned host memory", t_graph_basic)
+save()
+n_fail = sum(c["status"] != "pass" for c in RES["checks"])
+log(f"\nCHECKS: {len(RES['checks'])} run, {n_fail} not passing ({time.time() - T0:.0f} s)")
+
+# ================================================================== benchmarks
+if not ARGS.no_bench:
+    log("\n=== benchmarks (GPU time per call from graph replays, median)")
+    B_ = RES["bench"]
+    HBM = 3.0e12
+
+    def bench_attn_decode():
+        out = []
+        h, kvh, d, bs = 16, 8, 128, 64
+        for ctx in (512, 2048):
+            for B in (1, 16, 64, 256):
+                nbr = ctx // bs
+                ws = B * ctx * kvh * d * 2 * 2
+                sets = max(1, min(8, math.ceil(256e6 / ws)))  # rotate past the 50 MB L2
+                nb = sets * B * nbr
+                kc = empty([nb + 1, kvh, bs, d], "bfloat16")
+                vc = empty([nb + 1, kvh, bs, d], "bfloat16")
+                G.fill_(kc, 0.01)
+                G.fill_(vc, 0.02)
+                perm = rng.permutation(nb).astype(np.int32)
+                bts = [to_gpu(perm[i * B * nbr:(i + 1) * B * nbr].reshape(B, nbr), "int32") for i in range(sets)]
+                seq = to_gpu(np.full(B, ctx, np.int32), "int32")
+                cu = to_gpu(np.arange(B + 1, dtype=np.int32), "int32")
+                qg = to_gpu(rng.standard_normal((B, h, d)), "bfloat16")
+                i = [0]
+
+                def fn():
+                    G.paged_attention(qg, kc, vc, bts[i[0] % sets], seq, cu, d ** -0.5, 1, 0)
+                    i[0] += 1
+                us = graph_time_us(fn, per_graph=8 * sets if sets < 4 else sets * 2, replays=5)
+                gbs = ws / (us * 1e-6) / 1e9
+                row = {"batch": B, "ctx": ctx, "us": round(us, 2), "kv_MB": round(ws / 1e6, 2), "GB_s": round(gbs),
+                       "roofline_us": round(ws / HBM * 1e6, 2), "frac_of_3TBs": round(gbs * 1e9 / HBM, 3)}
+                out.append(row)
+                log(f"  decode attn B={B:4d} ctx={ctx:5d}: {us:9.2f} us  {gbs:7.0f} GB/s  (roofline {row['roofline_us']} us)")
+                del kc, vc
+        return out
+
+    def bench_attn_prefill():
+        out = []
+        h, kvh, d, bs = 16, 8, 128, 64
+        for rows in ([(2048, 2048)], [(512, 512)] * 4, [(512, 2048)] * 4):
+            b = Batch(rows, h, kvh, d, bs, "bfloat16", extra_blocks=0)
+            ins = b.inputs()
+            us = graph_time_us(lambda: G.paged_attention(*ins, d ** -0.5, 0, 0), per_graph=5, replays=5)
+            flops = sum(4 * h * d * sum(min(kv, kv - ql + i + 1) for i in range(ql)) for ql, kv in rows)
+            row = {"rows": [list(r) for r in rows], "us": round(us, 1), "TFLOP_s": round(flops / us / 1e6, 1)}
+            out.append(row)
+            log(f"  prefill attn {rows[0]}x{len(rows)}: {us:9.1f} us  {row['TFLOP_s']} TFLOP/s")
+        return out
+
+    def bench_gemm():
+        out = []
+        shapes = [("qkv", 1024, 4096, False), ("o_proj", 2048, 1024, False), ("gate_up", 1024, 6144, False),
+                  ("down", 3072, 1024, False), ("lm_head_tied", 1024, 151936, True)]
+        try:
+            import torch
+            has_torch = torch.cuda.is_available()
+        except Exception:  # noqa: BLE001
+            has_torch = False
+        for name, K, N, tw in shapes:
+            wbytes = K * N * 2
+            sets = max(1, min(8, math.ceil(256e6 / wbytes)))
+            ws = [to_gpu(q(rng.standard_normal((N, K) if tw else (K, N)) * 0.02, "bfloat16"), "bfloat16") for _ in range(sets)]
+            for M in (1, 16, 64, 256, 2048):
+                xg = to_gpu(q(rng.standard_normal((M, K)), "bfloat16"), "bfloat16")
+                i = [0]
+                outbuf = empty([M, N], "float32") if tw else None
+
+                def fn():
+                    G.linear(xg, ws[i[0] % sets], None, tw, out=outbuf)
+                    i[0] += 1
+                us = graph_time_us(fn, per_graph=max(sets * 2, 8), replays=5)
+                byt = wbytes + M * K * 2 + M * N * (4 if tw else 2)
+                row = {"gemm": name, "M": M, "K": K, "N": N, "us": round(us, 2), "TB_s": round(byt / us / 1e6, 2),
+                       "TFLOP_s": round(2 * M * K * N / us / 1e6, 1), "roofline_us": round(byt / HBM * 1e6, 2)}
+                if has_torch:
+                    tw_ = [torch.randn((N, K) if tw else (K, N), dtype=torch.bfloat16, device="cuda") for _ in range(sets)]
+                    tx = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+                    j = [0]
+
+                    def tfn():
+                        w = tw_[j[0] % sets]
+                        torch.matmul(tx, w.t() if tw else w)
+                        j[0] += 1
+                    tfn()
+                    torch.cuda.synchronize()
+                    tg = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(tg):
+                        for _ in range(max(sets * 2, 8)):
+                            tfn()
+                    tg.replay()
+                    torch.cuda.synchronize()
+                    ts = []
+                    for _ in range(5):
+                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        e0.record()
+                        tg.replay()
+                        e1.record()
+                        torch.cuda.synchronize()
+                        ts.append(e0.elapsed_time(e1) * 1e3 / max(sets * 2, 8))
+                    row["torch_us"] = round(float(np.median(ts)), 2)
+                    del tg, tw_
+                out.append(row)
+                log(f"  linear {name:12s} M={M:5d}: {us:8.2f} us {row['TB_s']:5.2f} TB/s {row['TFLOP_s']:6.1f} TFLOP/s"
+                    f" (roofline {row['roofline_us']} us; torch {row.get('torch_us', '-')} us)")
+        return out
+
+    def bench_small():
+        out = []
+        for T in (1, 256, 2048):
+            x = to_gpu(rng.standard_normal((T, 1024)), "bfloat16")
+            r = to_gpu(rng.standard_normal((T, 1024)), "bfloat16")
+            w = to_gpu(np.ones(1024), "bfloat16")
+            gu = to_gpu(rng.standard_normal((T, 6144)), "bfloat16")
+            qkv = to_gpu(rng.standard_normal((T, 4096)), "bfloat16")
+            pos = to_gpu(rng.integers(0, 4096, T), "int64")
+            sl = to_gpu(rng.permutation(64 * 64)[:T].astype(np.int64), "int64")
+            cs = to_gpu(np.ones((4096, 128)), "float32")
+            kc = empty([65, 8, 64, 128], "bfloat16")
+            vc = empty([65, 8, 64, 128], "bfloat16")
+            qn = to_gpu(np.ones(128), "bfloat16")
+            ids = to_gpu(rng.integers(0, 151936, T), "int64")
+            emb = empty([151936, 1024], "bfloat16")
+            for name, fn, byt in (
+                ("rms_norm", lambda: G.rms_norm(x, w, 1e-6), T * 1024 * 4),
+                ("fused_add_rms_norm_", lambda: G.fused_add_rms_norm_(x, r, w, 1e-6), T * 1024 * 8),
+                ("silu_and_mul", lambda: G.silu_and_mul(gu), T * 6144 * 3),
+                ("rope_qk_norm_cache", lambda: G.rope_qk_norm_cache(qkv, pos, sl, cs, cs, kc, vc, 16, qn, qn, 1e-6), T * 4096 * 4),
+                ("embedding", lambda: G.embedding(ids, emb), T * 1024 * 4),
+            ):
+                us = graph_time_us(fn, per_graph=50, replays=5)
+                row = {"op": name, "T": T, "us": round(us, 2), "GB_s": round(byt / us / 1e3)}
+                out.append(row)
+                log(f"  {name:22s} T={T:5d}: {us:7.2f} us {row['GB_s']:6d} GB/s")
+        return out
+
+    def bench_sampling():
+        out = []
+        V = 151936
+        for S in (1, 64, 256):
+            x = to_gpu(rng.standard_normal((S, V)) * 3, "float32")
+            args = [to_gpu(np.full(S, 0.8, np.float32), "float32"), to_gpu(np.full(S, 50, np.int32), "int32"),
+                    to_gpu(np.full(S, 0.9, np.float32), "float32"), to_gpu(np.full(S, 0.0, np.float32), "float32"),
+                    to_gpu(np.arange(S, dtype=np.int64), "int64"), to_gpu(np.arange(S, dtype=np.int64), "int64")]
+            nok = [args[0], to_gpu(np.zeros(S, np.int32), "int32"), args[2], args[3], args[4], args[5]]
+            for name, fn in (("argmax", lambda: G.argmax(x)),
+                             ("sample top_k=50 top_p=0.9", lambda: G.sample(x, *args)),
+                             ("sample top_p=0.9 only", lambda: G.sample(x, *nok))):
+                us = graph_time_us(fn, per_graph=10, replays=5)
+                out.append({"op": name, "S": S, "V": V, "us": round(us, 1)})
+                log(f"  {name:26s} S={S:4d}: {us:8.1f} us")
+        return out
+
+    def bench_host():
+        x = to_gpu(rng.standard_normal((1, 1024)), "bfloat16")
+        w = to_gpu(np.ones(1024), "bfloat16")
+        r = to_gpu(rng.standard_normal((1, 1024)), "bfloat16")
+        return {"rms_norm eager wall us/call": round(eager_us(lambda: G.rms_norm(x, w, 1e-6)), 1),
+                "fused_add_rms_norm_ eager wall us/call": round(eager_us(lambda: G.fused_add_rms_norm_(x, r, w, 1e-6)), 1),
+                "rms_norm graph replay us/call": round(graph_time_us(lambda: G.rms_norm(x, w, 1e-6), 200, 5), 2)}
+
+    for name, fn in (("attention_decode", bench_attn_decode), ("attention_prefill", bench_attn_prefill),
+                     ("gemm", bench_gemm), ("elementwise", bench_small), ("sampling", bench_sampling),
+                     ("host_overhead", bench_host)):
+        try:
+            B_[name] = fn()
+        except Exception as e:  # noqa: BLE001
+            B_[name] = f"ERROR {type(e).__name__}: {e}"
+            traceback.print_exc()
+        save()
+        paddle.device.cuda.empty_cache()
+
+RES["info"]["total_s"] = round(time.time() - T0, 1)
+save()
+log("\nSUMMARY")
+for c in RES["checks"]:
+    if c["status"] != "pass":
+        log(f"  {c['status']}: {c['name']}: {c['detail']}")
+log(f"{len(RES['checks'])} checks, {n_fail} not passing; total {RES['info']['total_s']} s")

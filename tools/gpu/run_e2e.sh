@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Device side, after Paddle is staged (see docs/benchmarks.md, "GPU: fdlite end to end"): builds fdlite's
+# GPU ops with the machine's nvcc for sm_90, then runs tools/gpu/e2e_harness.py sections, one process each,
+# each under its own time limit. Results: $OUT/<section>.json and $OUT/e2e_log.txt.
+#
+#   bash $KIT/device-setup.sh setup && SECTIONS="parity graphs" bash tools/gpu/run_e2e.sh
+#   SECTIONS="hf_bench throughput" bash tools/gpu/run_e2e.sh      (a second call while the machine is warm)
+# Env: KIT (dir of device-setup.sh; default shared/gpu-paddle beside tools/), SECTIONS, LIMITS
+# ("parity=170 graphs=100 hf_bench=90 throughput=230": seconds per section), HARNESS_ARGS.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/fdl_e2e_out}
+mkdir -p "$OUT"
+KIT=${KIT:-$(pwd)/shared/gpu-paddle}
+export PYTHONUNBUFFERED=1
+[[ -f "$KIT/device-setup.sh" ]] && eval "$(bash "$KIT/device-setup.sh" env)"
+export FDLITE_OPS_CACHE=${FDLITE_OPS_CACHE:-/tmp/fdlite_ops_cache}
+export GLOG_minloglevel=2
+LOG=$OUT/e2e_log.txt
+filter() { grep -v -E "compute capability|Please NOTE: device|has been registered|^W[0-9]{4} "; }
+{
+  echo "== machine $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  nvcc --version | tail -1
+  python3 -c "import sys, paddle; print('python', sys.version.split()[0], 'paddle', paddle.__version__)"
+} 2>&1 | filter | tee -a "$LOG"
+t0=$SECONDS
+lib=$(python3 fdlite/ops/gpu/build.py 2>>"$LOG") || { echo "ops build failed" | tee -a "$LOG"; tail -30 "$LOG"; exit 1; }
+export FDLITE_GPU_OPS_LIB=$lib
+echo "ops library $lib built or cached in $((SECONDS - t0)) s" | tee -a "$LOG"
+cp "$(dirname "$lib")/ptxas_report.txt" "$OUT/" 2>/dev/null || true
+declare -A LIMIT=([parity]=170 [graphs]=100 [hf_bench]=90 [throughput]=230)
+for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done
+rc=0
+for s in ${SECTIONS:-parity graphs hf_bench throughput}; do
+  t1=$SECONDS
+  timeout -k 5 "${LIMIT[$s]:-120}" python3 tools/gpu/e2e_harness.py "$s" --out "$OUT" ${HARNESS_ARGS:-} 2>&1 | filter | tee -a "$LOG"
+  r=${PIPESTATUS[0]}
+  echo "section $s rc=$r in $((SECONDS - t1)) s" | tee -a "$LOG"
+  (( r != 0 )) && rc=$r
+done
+python3 - "$OUT" <<'PY' | tee -a "$LOG"
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    d = json.loads(f.read_text())
+    for case, r in d.get("results", {}).items():
+        keep = {k: v for k, v in r.items() if k not in ("startup", "errs_ours", "errs_hf_bf16", "trace")}
+        print(f"{case}: {json.dumps(keep, default=str)[:600]}")
+    for e in d.get("errors", []):
+        print(f"ERROR {e['case']}: {e['error'][:400]}")
+PY
+if [[ -f "$OUT/throughput.json" ]]; then
+  python3 tools/gpu/plot_step_times.py "$OUT/throughput.json" "$OUT/decode_step_times.png" 2>&1 | tee -a "$LOG"
+fi
+exit $rc
