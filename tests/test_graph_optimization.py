@@ -244,8 +244,7 @@ def test_prefill_only_graphs_keyed_by_token_count(qwen3, eager_tokens, monkeypat
 def test_gpu_sizing_formula_through_the_startup_path(qwen3, monkeypatch):
     """Feed the profiling step measured-looking numbers, as a GPU would report them."""
     GiB = 1 << 30
-    readings = iter([DeviceMemory(8 * GiB, 1 * GiB, 1 * GiB),      # profile_lengths: is there memory to measure?
-                     DeviceMemory(8 * GiB, 1 * GiB, 1 * GiB),      # before the temporary cache
+    readings = iter([DeviceMemory(8 * GiB, 1 * GiB, 1 * GiB),      # before the temporary cache (also: memory is measured)
                      DeviceMemory(8 * GiB, 1 * GiB + 2**20, 1 * GiB),  # with it
                      DeviceMemory(8 * GiB, 1 * GiB + 2**20, 2 * GiB)])  # after the dummy prefill
     monkeypatch.setattr(model_runner, "device_memory", lambda: next(readings))
