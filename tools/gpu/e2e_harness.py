@@ -10,6 +10,7 @@ fresh allocator and its startup numbers are its own:
     python3 tools/gpu/e2e_harness.py graphs     --out DIR   # 1,000 decode steps with CUDA graphs vs eager
     python3 tools/gpu/e2e_harness.py hf_bench   --out DIR   # transformers batched generate on the protocol (subset)
     python3 tools/gpu/e2e_harness.py throughput --out DIR   # nano-vllm protocol + decode step times at 1/16/64/256
+    python3 tools/gpu/e2e_harness.py diag       --out DIR   # where a decode step's time goes (host parts, eager)
 
 Each writes DIR/<section>.json as it goes (a crash keeps what was measured).
 """
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
-ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput"])
+ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag"])
 ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/fdl_e2e_out")
 ap.add_argument("--models", default="/tmp/fdl_e2e_models")
 ap.add_argument("--quick", action="store_true")
@@ -337,12 +338,120 @@ def section_hf_bench():
     run("transformers_first_batch_of_64", case)
 
 
+def decode_flat(b: int, ctx: int, bs: int, num_blocks: int, rng):
+    """A decode batch of b rows, each at position ctx - 1 over its own blocks (timing only: the KV is whatever
+    the cache holds)."""
+    from fdlite.ops.forward_meta import FlatBatch  # noqa: PLC0415
+    from fdlite.ops.sampler import SamplingBatch  # noqa: PLC0415
+
+    nb = ctx // bs + 1
+    tables = (np.arange(b * nb, dtype=np.int32).reshape(b, nb)) % num_blocks
+    pos = np.full(b, ctx - 1, np.int64)
+    flat = FlatBatch(input_ids=rng.integers(0, 10000, b).astype(np.int64), positions=pos,
+                     slot_mapping=tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs,
+                     token_rows=np.arange(b, dtype=np.int64), block_tables=tables,
+                     seq_lens_kv=np.full(b, ctx, np.int32), cu_seqlens_q=np.arange(b + 1, dtype=np.int32),
+                     logits_indices=np.arange(b, dtype=np.int64), num_decodes=b)
+    sb = SamplingBatch(temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int64),
+                       top_p=np.ones(b, np.float32), min_p=np.zeros(b, np.float32),
+                       seeds=np.zeros(b, np.uint64), positions=pos, num_logprobs=np.full(b, -1, np.int64))
+    return flat, sb
+
+
+def _median_ms(fn, n=25, warm=5) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return round(float(np.median(times[warm:])) * 1e3, 3)
+
+
+def section_diag():
+    """Where a decode step's time goes: the host parts of a graph step at batch 1, and the eager step with
+    and without the wrappers' argument checks, before and after a throughput-sized run."""
+    import paddle  # noqa: PLC0415
+
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+    from fdlite.ops import gpu as gpu_ops  # noqa: PLC0415
+
+    state = {}
+
+    def startup():
+        state["llm"] = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256,
+                           max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True)
+        return {"startup": state["llm"].startup_report}
+
+    def parts(tag):
+        def case():
+            llm = state["llm"]
+            runner = llm.runner
+            gr = runner.graph_runner
+            rng = np.random.default_rng(0)
+            out = {}
+            capi = gpu_ops.capi()
+            stream = gpu_ops.current_stream_handle()
+            ev = [capi.fdl_event_create(), capi.fdl_event_create()]
+            for b in (1, 64):
+                flat, sb = decode_flat(b, 512, llm.config.block_size, llm.num_blocks, rng)
+                size = gr.size_for(flat)
+                row = {}
+                row["step_graph_ms"] = _median_ms(lambda: runner.sampler(runner.forward(flat, True), sb))
+                row["write_padded_ms"] = _median_ms(lambda: gr._write(flat, size))
+                row["replay_call_return_ms"] = _median_ms(lambda: gr.graphs[size].replay())
+                paddle.device.synchronize()
+                row["replay_synchronised_ms"] = _median_ms(
+                    lambda: (gr.graphs[size].replay(), paddle.device.synchronize()))
+                hidden = gr.graphs[size].replay()[:b]
+                idx = runner.buffers.logits_index_view(b)
+                runner.buffers.logits_indices.write(flat.logits_indices)
+                row["compute_logits_call_ms"] = _median_ms(lambda: runner.model.compute_logits(hidden, idx))
+                logits = runner.model.compute_logits(hidden, idx)
+                paddle.device.synchronize()
+
+                def head_gpu():
+                    capi.fdl_event_record(ev[0], stream)
+                    runner.model.compute_logits(hidden, idx)
+                    capi.fdl_event_record(ev[1], stream)
+                    return capi.fdl_event_elapsed_ms(ev[0], ev[1])
+
+                row["lm_head_gpu_ms"] = round(float(np.median([head_gpu() for _ in range(20)])), 3)
+                row["sampler_call_ms"] = _median_ms(lambda: runner.sampler(logits, sb))
+                row["argmax_call_ms"] = _median_ms(lambda: gpu_ops.argmax(logits))
+                row["step_eager_ms"] = _median_ms(lambda: runner.sampler(runner.forward(flat, False), sb), n=12, warm=2)
+                gpu_ops.set_checks(False)
+                row["step_eager_no_checks_ms"] = _median_ms(lambda: runner.sampler(runner.forward(flat, False), sb),
+                                                            n=12, warm=2)
+                row["step_graph_no_checks_ms"] = _median_ms(lambda: runner.sampler(runner.forward(flat, True), sb))
+                gpu_ops.set_checks(True)
+                out[f"batch_{b}"] = row
+                log("  ", tag, b, row)
+            out["memory_allocated_GiB"] = round(paddle.device.cuda.memory_allocated() / 2**30, 2)
+            out["memory_reserved_GiB"] = round(paddle.device.cuda.memory_reserved() / 2**30, 2)
+            return out
+        return case
+
+    def generate():
+        llm = state["llm"]
+        prompts, outs = protocol()
+        t = time.time()
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs], use_tqdm=False)
+        return {"seconds": round(time.time() - t, 2)}
+
+    run("startup", startup)
+    if "llm" in state:
+        run("parts_fresh", parts("fresh"))
+        run("throughput_run", generate)
+        run("parts_after_throughput", parts("after"))
+        paddle.device.cuda.empty_cache()
+        run("parts_after_empty_cache", parts("emptied"))
+
+
 def section_throughput():
     import paddle  # noqa: PLC0415
 
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
-    from fdlite.ops.forward_meta import FlatBatch  # noqa: PLC0415
-    from fdlite.ops.sampler import SamplingBatch  # noqa: PLC0415
 
     state = {}
 
@@ -379,7 +488,6 @@ def section_throughput():
         cfg = llm.model_config
         bs = llm.config.block_size
         ctx = 512
-        nb = ctx // bs + 1
         weight_bytes = sum(int(np.prod(p.shape)) * 2 for p in runner.model.parameters())
         kv_per_token = 2 * cfg.num_hidden_layers * runner.tp.num_kv_heads * cfg.head_dim * 2
         rng = np.random.default_rng(0)
@@ -390,16 +498,7 @@ def section_throughput():
         ev = [capi.fdl_event_create(), capi.fdl_event_create()]
         out = {}
         for b in (1, 16, 64, 256):
-            tables = (np.arange(b * nb, dtype=np.int32).reshape(b, nb)) % llm.num_blocks
-            pos = np.full(b, ctx - 1, np.int64)
-            flat = FlatBatch(input_ids=rng.integers(0, 10000, b).astype(np.int64), positions=pos,
-                             slot_mapping=tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs,
-                             token_rows=np.arange(b, dtype=np.int64), block_tables=tables,
-                             seq_lens_kv=np.full(b, ctx, np.int32), cu_seqlens_q=np.arange(b + 1, dtype=np.int32),
-                             logits_indices=np.arange(b, dtype=np.int64), num_decodes=b)
-            sb = SamplingBatch(temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int64),
-                               top_p=np.ones(b, np.float32), min_p=np.zeros(b, np.float32),
-                               seeds=np.zeros(b, np.uint64), positions=pos, num_logprobs=np.full(b, -1, np.int64))
+            flat, sb = decode_flat(b, ctx, bs, llm.num_blocks, rng)
             row = {}
             for graphs in (False, True):
                 times = []
@@ -437,7 +536,7 @@ def section_throughput():
 
 if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
-     "throughput": section_throughput}[ARGS.section]()
+     "throughput": section_throughput, "diag": section_diag}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))
