@@ -14,7 +14,6 @@ from collections import Counter
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 from fdlite.ops import gpu as gpu_ops
 from fdlite.ops import platform

@@ -24,9 +24,10 @@ _M2 = np.uint64(0x94D049BB133111EB)
 
 def splitmix64(z: np.ndarray) -> np.ndarray:
     """splitmix64 of each uint64 (wrapping arithmetic)."""
-    z = z + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
+    with np.errstate(over="ignore"):  # the wrap is the point (numpy warns on scalar overflow)
+        z = z + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
 
 
