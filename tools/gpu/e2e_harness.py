@@ -262,6 +262,7 @@ def section_gemv():
     import ctypes  # noqa: PLC0415
 
     import paddle  # noqa: PLC0415
+    from paddle.device.cuda.graphs import CUDAGraph  # noqa: PLC0415
 
     from fdlite.ops import gpu as G  # noqa: PLC0415
     from fdlite.ops.device_tensors import to_numpy_f32  # noqa: PLC0415
@@ -305,7 +306,7 @@ def section_gemv():
         w = gpu(_round(rng.standard_normal((K, N)) * 0.05, dt), dt)
         xbuf = gpu(np.zeros((1, K)), dt)
         out = G.linear(xbuf, w)  # eager first
-        g = paddle.device.cuda.graphs.CUDAGraph()
+        g = CUDAGraph()
         g.capture_begin()
         out = G.linear(xbuf, w)
         g.capture_end()
@@ -334,7 +335,7 @@ def section_gemv():
                     capi.fdl_linear_set_small_m(on)
                     for wt in ws:
                         G.linear(x, wt)
-                    g = paddle.device.cuda.graphs.CUDAGraph()
+                    g = CUDAGraph()
                     g.capture_begin()
                     for wt in ws * 2:
                         G.linear(x, wt)

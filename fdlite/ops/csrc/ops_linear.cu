@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const T* __restrict_
   const int n0 = tile * TILE + lane * VEC;
   if (n0 < N) {  // N % VEC == 0 (host check): a vector is all in or all out
     const T* wp = w + (int64_t)k_begin * N + n0;
-#pragma unroll 4
+#pragma unroll 8
     for (int k = warp; k < rows; k += kGemvThreads / 32) {
       const Vec<T, VEC> wv = *reinterpret_cast<const Vec<T, VEC>*>(wp + (int64_t)k * N);
 #pragma unroll
@@ -172,8 +172,18 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const T* __restrict_
   for (int i = threadIdx.x; i < MR * TILE; i += kGemvThreads) {
     const int m = i / TILE, c = i - m * TILE, n = tile * TILE + c;
     if (n >= N) continue;
-    float sum = 0.f;
-    for (int q = 0; q < splits; ++q) sum += __ldcg(&partials[((int64_t)q * MR + m) * N + n]);  // L2, not a stale L1
+    // Eight independent sums, so eight loads are in flight rather than one L2 round trip per split
+    // (a single running sum made this loop the kernel's critical path); fixed order, so deterministic.
+    const float* pc = partials + (int64_t)m * N + n;
+    const int64_t stride = (int64_t)MR * N;
+    float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int q = 0;
+    for (; q + 8 <= splits; q += 8) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) part[j] += __ldcg(pc + (q + j) * stride);  // L2, not a stale L1
+    }
+    for (int j = 0; q + j < splits; ++j) part[j] += __ldcg(pc + (q + j) * stride);
+    const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     y[(int64_t)m * N + n] = from_f<T>(bias != nullptr ? sum + to_f<T>(bias[n]) : sum);
   }
   if (threadIdx.x == 0) g_gemv_counters[tile] = 0;
@@ -186,8 +196,9 @@ bool try_gemv(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Te
   const int vec = 16 / (int)phi::SizeOf(x.dtype());
   const int64_t tile = 32 * vec, tiles = ceil_div(N, tile);
   if (N % vec != 0 || !aligned16(w.data()) || tiles > kGemvMaxTiles) return false;
-  // Enough blocks for the bandwidth (about two per SM), each at least 64 rows of K and at most kGemvMaxRows.
-  int64_t splits = std::min<int64_t>(ceil_div(2 * num_sms(), tiles), std::max<int64_t>(1, K / 64));
+  // About one block per SM, each at least 128 rows of K (16 per warp: two batches of eight 16-byte loads in
+  // flight) and at most kGemvMaxRows: more splits only lengthen the final reduction.
+  int64_t splits = std::min<int64_t>(ceil_div(num_sms(), tiles), std::max<int64_t>(1, K / 128));
   splits = std::max<int64_t>({splits, 1, ceil_div(K, kGemvMaxRows)});
   int64_t rows = ceil_div(K, splits);
   rows = ceil_div(rows, 8) * 8;
