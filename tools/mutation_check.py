@@ -160,10 +160,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "row-parallel-bias-dropped",
-        "Row-parallel layers (o_proj, down_proj) drop their bias, with any number of ranks",
+        "Row-parallel layers (o_proj, down_proj) drop their bias after the all-reduce (CPU, more than one rank)",
         (Edit("fdlite/models/parallel_linear.py",
-              "            y = tensor_parallel_all_reduce(y)\n        return y + self.bias if self.bias is not None else y\n",
-              "            y = tensor_parallel_all_reduce(y)\n        return y  # MUTATION\n"),),
+              "        y = tensor_parallel_all_reduce(y)\n        return y + self.bias if self.bias is not None else y\n",
+              "        y = tensor_parallel_all_reduce(y)\n        return y  # MUTATION\n"),),
         ("tests/test_tensor_parallel.py::test_tp2_greedy_is_token_identical_to_tp1",),
         "new",
     ),

@@ -6,7 +6,6 @@ kernels do nothing on sm_90, so everything that computes is fdlite's kernels) an
 transformers on that machine are the reference only. One section per process, so each `LLM()` starts on a
 fresh allocator and its startup numbers are its own:
 
-    python3 tools/gpu/e2e_harness.py gemv       --out DIR   # the small-M linear path vs float64, in graphs, vs cuBLASLt
     python3 tools/gpu/e2e_harness.py parity     --out DIR   # fp32 greedy vs transformers fp32; bf16 logits/agreement
     python3 tools/gpu/e2e_harness.py graphs     --out DIR   # 1,000 decode steps with CUDA graphs vs eager
     python3 tools/gpu/e2e_harness.py hf_bench   --out DIR   # transformers batched generate on the protocol (subset)
@@ -34,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
-ap.add_argument("section", choices=["gemv", "parity", "graphs", "hf_bench", "throughput", "diag"])
+ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag"])
 ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/fdl_e2e_out")
 ap.add_argument("--models", default="/tmp/fdl_e2e_models")
 ap.add_argument("--quick", action="store_true")
@@ -244,119 +243,6 @@ def bf16_case(family: str) -> dict:
             "sequences": len(got), "fdlite_bf16_vs_transformers_bf16": rates(got, ref),
             "transformers_bf16_vs_transformers_fp32 (context)": rates(ref, ref_fp32),
             "fdlite_bf16_vs_transformers_fp32": rates(got, ref_fp32)}
-
-
-def _round(a: np.ndarray, dt: str) -> np.ndarray:
-    """float64 values rounded to dt and back (the inputs the GPU sees), as float32."""
-    a = np.asarray(a, np.float32)
-    if dt == "bfloat16":
-        u = a.view(np.uint32).astype(np.uint64)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        return u.astype(np.uint32).view(np.float32)
-    return a.astype(np.float16).astype(np.float32) if dt == "float16" else a
-
-
-def section_gemv():
-    """fdl_linear's small-M path (M <= 4, W [K, N]): float64 reference, row results independent of M, graph
-    replays with rewritten inputs (the split-K counters reset themselves), and its time against cuBLASLt."""
-    import ctypes  # noqa: PLC0415
-
-    import paddle  # noqa: PLC0415
-
-    from fdlite.ops import gpu as G  # noqa: PLC0415
-    from fdlite.ops.device_tensors import to_numpy_f32  # noqa: PLC0415
-    from fdlite.ops.platform import select_device  # noqa: PLC0415
-
-    select_device("gpu")
-    G.load()
-    capi = G.capi()
-    capi.fdl_linear_set_small_m.argtypes = [ctypes.c_int]
-    rng = np.random.default_rng(5)
-    tol = {"float32": 1e-5, "bfloat16": 8e-3, "float16": 1e-3}
-
-    def gpu(a, dt):
-        return paddle.to_tensor(np.asarray(a, np.float32), dtype=dt)
-
-    def correctness():
-        worst, fails, n = {}, [], 0
-        for dt in ("bfloat16", "float32", "float16"):
-            for K, N, bias in ((1024, 4096, True), (3072, 1024, False), (2048, 1024, False), (1000, 1008, True),
-                               (1024, 6144, False), (64, 520, True), (4096, 256, False)):
-                w = _round(rng.standard_normal((K, N)) * 0.05, dt)
-                b = _round(rng.standard_normal(N) * 0.1, dt) if bias else None
-                wg, bg = gpu(w, dt), (gpu(b, dt) if bias else None)
-                x = _round(rng.standard_normal((5, K)), dt)
-                rows0 = []
-                for M in (1, 2, 3, 4, 5):
-                    y = to_numpy_f32(G.linear(gpu(x[:M], dt), wg, bg))
-                    ref = x[:M].astype(np.float64) @ w.astype(np.float64) + (b if bias else 0)
-                    err = float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
-                    worst[dt] = max(worst.get(dt, 0.0), err)
-                    n += 1
-                    if not np.isfinite(y).all() or err > tol[dt]:
-                        fails.append(f"{dt} K={K} N={N} M={M}: {err:.2e}")
-                    rows0.append(y[0])
-                if not all(np.array_equal(rows0[0], r) for r in rows0[1:4]):
-                    fails.append(f"{dt} K={K} N={N}: row 0 differs between M = 1..4")
-        return {"cases": n, "max_rel_err": worst, "tolerance": tol, "failures": fails, "pass": not fails}
-
-    def graph_replays():
-        dt, K, N = "bfloat16", 3072, 1024  # splits > 1: the counters must reset between replays
-        w = gpu(_round(rng.standard_normal((K, N)) * 0.05, dt), dt)
-        xbuf = gpu(np.zeros((1, K)), dt)
-        out = G.linear(xbuf, w)  # eager first
-        g = paddle.device.cuda.graphs.CUDAGraph()
-        g.capture_begin()
-        out = G.linear(xbuf, w)
-        g.capture_end()
-        same = True
-        for i in range(5):
-            x = _round(rng.standard_normal((1, K)), dt)
-            xb = gpu(x, dt)
-            G.copy_(xbuf, xb)
-            g.replay()
-            got = to_numpy_f32(out)
-            want = to_numpy_f32(G.linear(xb, w))
-            same &= bool(np.array_equal(got, want))
-        return {"replays": 5, "identical_to_eager": same, "pass": same}
-
-    def timing():
-        stream = G.current_stream_handle()
-        ev = [capi.fdl_event_create(), capi.fdl_event_create()]
-        res = {}
-        for name, K, N in (("qkv", 1024, 4096), ("o_proj", 2048, 1024), ("gate_up", 1024, 6144), ("down", 3072, 1024)):
-            sets = max(1, int(np.ceil(256e6 / (K * N * 2))))
-            ws = [gpu(rng.standard_normal((K, N)) * 0.02, "bfloat16") for _ in range(min(sets, 16))]
-            for M in (1, 4):
-                x = gpu(rng.standard_normal((M, K)), "bfloat16")
-                row = {}
-                for label, on in (("small_m_us", 1), ("cublaslt_us", 0)):
-                    capi.fdl_linear_set_small_m(on)
-                    for wt in ws:
-                        G.linear(x, wt)
-                    g = paddle.device.cuda.graphs.CUDAGraph()
-                    g.capture_begin()
-                    for wt in ws * 2:
-                        G.linear(x, wt)
-                    g.capture_end()
-                    g.replay()
-                    t = []
-                    for _ in range(5):
-                        capi.fdl_event_record(ev[0], stream)
-                        g.replay()
-                        capi.fdl_event_record(ev[1], stream)
-                        t.append(capi.fdl_event_elapsed_ms(ev[0], ev[1]) * 1e3 / (2 * len(ws)))
-                    row[label] = round(float(np.median(t)), 2)
-                    g.reset()
-                capi.fdl_linear_set_small_m(1)
-                row["roofline_us"] = round((K * N * 2 + M * (K + N) * 2) / 3.0e12 * 1e6, 2)
-                res[f"{name}_M{M}"] = row
-                log("   ", name, M, row)
-        return res
-
-    run("gemv_correctness", correctness)
-    run("gemv_graph_replays", graph_replays)
-    run("gemv_vs_cublaslt", timing)
 
 
 def section_parity():
@@ -649,7 +535,7 @@ def section_throughput():
 
 
 if __name__ == "__main__":
-    {"gemv": section_gemv, "parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
+    {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
      "throughput": section_throughput, "diag": section_diag}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()

@@ -8,19 +8,9 @@
 // Capture safety: the handles and the workspace (plain cudaMalloc, outside Paddle's allocator) are
 // made by the first call on each device, which must be eager (checked); later calls, inside a
 // capture too, only create host-side descriptors (cached per shape) and enqueue on x's stream.
-//
-// Decode at batch 1-4 is a matrix-vector product bound by reading W once: cuBLASLt reaches about half
-// the bandwidth there (0.75-1.7 TB/s at M = 1 on the H100, docs/benchmarks.md). M <= 4 with W [K, N]
-// therefore takes `gemv_kernel`: each block reads a 32 x 16-byte column tile of W for a slice of K
-// (a warp reads 512 contiguous bytes of a row per load), blocks split K so that a few hundred are in
-// flight, and the last block of each column tile adds the slices in a fixed order (a self-resetting
-// counter per tile, so graph replays need no memset): deterministic, and each output row's arithmetic
-// does not depend on M (a padded graph row computes what the eager row does).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
-#include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -91,131 +81,6 @@ __global__ void add_bias_kernel(T* __restrict__ y, const T* __restrict__ b, int6
     y[i] = from_f<T>(to_f<T>(y[i]) + to_f<T>(b[i % n]));
 }
 
-// ---- small-M path -------------------------------------------------------------------------------
-
-constexpr int kGemvThreads = 256;  // 8 warps: warp w takes rows k_begin + w, + 8, ...
-constexpr int kGemvMaxM = 4;
-constexpr int kGemvMaxRows = 512;   // rows of K per block (x slice in shared memory)
-constexpr int kGemvMaxTiles = 8192; // column tiles that can carry a split-K counter
-__device__ unsigned int g_gemv_counters[kGemvMaxTiles];  // zero at load; each last block resets its own
-int g_gemv_enabled = -1;  // -1: read FDLITE_GEMV once (default on); fdl_linear_set_small_m overrides
-
-bool gemv_enabled() {
-  if (g_gemv_enabled < 0) {
-    const char* e = std::getenv("FDLITE_GEMV");
-    g_gemv_enabled = (e != nullptr && e[0] == '0') ? 0 : 1;
-  }
-  return g_gemv_enabled == 1;
-}
-
-template <typename T, int MR>
-__global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const T* __restrict__ x, const T* __restrict__ w,
-                                                             const T* __restrict__ bias, T* __restrict__ y,
-                                                             float* __restrict__ partials, int K, int N,
-                                                             int rows_per_split, int splits) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int TILE = 32 * VEC;
-  __shared__ float xs[MR][kGemvMaxRows];
-  __shared__ float red[kGemvThreads / 32][MR][TILE];
-  __shared__ bool last;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int tile = blockIdx.x, split = blockIdx.y;
-  const int k_begin = split * rows_per_split;
-  const int rows = min(K - k_begin, rows_per_split);
-  for (int i = threadIdx.x; i < rows * MR; i += kGemvThreads) {
-    const int m = i / rows, k = i - m * rows;
-    xs[m][k] = to_f<T>(x[(int64_t)m * K + k_begin + k]);
-  }
-  __syncthreads();
-  float acc[MR][VEC];
-#pragma unroll
-  for (int m = 0; m < MR; ++m)
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[m][v] = 0.f;
-  const int n0 = tile * TILE + lane * VEC;
-  if (n0 < N) {  // N % VEC == 0 (host check): a vector is all in or all out
-    const T* wp = w + (int64_t)k_begin * N + n0;
-#pragma unroll 4
-    for (int k = warp; k < rows; k += kGemvThreads / 32) {
-      const Vec<T, VEC> wv = *reinterpret_cast<const Vec<T, VEC>*>(wp + (int64_t)k * N);
-#pragma unroll
-      for (int m = 0; m < MR; ++m) {
-        const float xv = xs[m][k];
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[m][v] = fmaf(xv, to_f<T>(wv.v[v]), acc[m][v]);
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < MR; ++m)
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) red[warp][m][lane * VEC + v] = acc[m][v];
-  __syncthreads();
-  for (int i = threadIdx.x; i < MR * TILE; i += kGemvThreads) {
-    const int m = i / TILE, c = i - m * TILE, n = tile * TILE + c;
-    if (n >= N) continue;
-    float sum = 0.f;
-#pragma unroll
-    for (int q = 0; q < kGemvThreads / 32; ++q) sum += red[q][m][c];
-    if (splits == 1)
-      y[(int64_t)m * N + n] = from_f<T>(bias != nullptr ? sum + to_f<T>(bias[n]) : sum);
-    else
-      partials[((int64_t)split * MR + m) * N + n] = sum;
-  }
-  if (splits == 1) return;
-  __threadfence();  // this block's partials are visible before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&g_gemv_counters[tile], 1u) == (unsigned)(splits - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < MR * TILE; i += kGemvThreads) {
-    const int m = i / TILE, c = i - m * TILE, n = tile * TILE + c;
-    if (n >= N) continue;
-    float sum = 0.f;
-    for (int q = 0; q < splits; ++q) sum += __ldcg(&partials[((int64_t)q * MR + m) * N + n]);  // L2, not a stale L1
-    y[(int64_t)m * N + n] = from_f<T>(bias != nullptr ? sum + to_f<T>(bias[n]) : sum);
-  }
-  if (threadIdx.x == 0) g_gemv_counters[tile] = 0;
-}
-
-// y = x @ w (+ bias) through gemv_kernel when the shapes allow it; false: use cuBLASLt.
-bool try_gemv(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor* bias, paddle::Tensor& y,
-              int64_t M, int64_t N, int64_t K, cudaStream_t s, const char* opname) {
-  if (M < 1 || M > kGemvMaxM || !gemv_enabled() || K > (int64_t)1 << 30 || N > (int64_t)1 << 30) return false;
-  const int vec = 16 / (int)phi::SizeOf(x.dtype());
-  const int64_t tile = 32 * vec, tiles = ceil_div(N, tile);
-  if (N % vec != 0 || !aligned16(w.data()) || tiles > kGemvMaxTiles) return false;
-  // Enough blocks for the bandwidth (about two per SM), each at least 64 rows of K and at most kGemvMaxRows.
-  int64_t splits = std::min<int64_t>(ceil_div(2 * num_sms(), tiles), std::max<int64_t>(1, K / 64));
-  splits = std::max<int64_t>({splits, 1, ceil_div(K, kGemvMaxRows)});
-  int64_t rows = ceil_div(K, splits);
-  rows = ceil_div(rows, 8) * 8;
-  if (rows > kGemvMaxRows) rows = kGemvMaxRows;
-  splits = ceil_div(K, rows);
-  paddle::Tensor part;
-  float* pp = nullptr;
-  if (splits > 1) {
-    part = paddle::empty({splits * M * N}, paddle::DataType::FLOAT32, x.place());
-    pp = static_cast<float*>(part.data());
-  }
-  const dim3 grid((unsigned)tiles, (unsigned)splits);
-  FDL_FLOAT_SWITCH(x.dtype(), T, opname, {
-    const T* xp = static_cast<const T*>(x.data());
-    const T* wp = static_cast<const T*>(w.data());
-    const T* bp = bias != nullptr ? static_cast<const T*>(bias->data()) : nullptr;
-    T* yp = static_cast<T*>(y.data());
-    switch (M) {
-      case 1: gemv_kernel<T, 1><<<grid, kGemvThreads, 0, s>>>(xp, wp, bp, yp, pp, (int)K, (int)N, (int)rows, (int)splits); break;
-      case 2: gemv_kernel<T, 2><<<grid, kGemvThreads, 0, s>>>(xp, wp, bp, yp, pp, (int)K, (int)N, (int)rows, (int)splits); break;
-      case 3: gemv_kernel<T, 3><<<grid, kGemvThreads, 0, s>>>(xp, wp, bp, yp, pp, (int)K, (int)N, (int)rows, (int)splits); break;
-      default: gemv_kernel<T, 4><<<grid, kGemvThreads, 0, s>>>(xp, wp, bp, yp, pp, (int)K, (int)N, (int)rows, (int)splits); break;
-    }
-  });
-  FDL_CHECK_LAUNCH(opname);
-  return true;
-}
-
 #define LT_OK(expr) PD_CHECK((expr) == CUBLAS_STATUS_SUCCESS, "fdl_linear: ", #expr, " failed")
 
 Plan& get_plan(DeviceCtx& c, const Key& key, cudaDataType_t tin, cudaDataType_t tout, int64_t M, int64_t N, int64_t K,
@@ -279,7 +144,6 @@ void linear(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tens
   }
   if (M == 0 || N == 0) return;
   cudaStream_t s = stream_of(x);
-  if (!trans_w && !mixed && try_gemv(x, w, has_bias ? &bias : nullptr, y, M, N, K, s, opname)) return;
   cudaDataType_t tin = cuda_type(x.dtype()), tout = cuda_type(y.dtype());
   std::lock_guard<std::mutex> lock(g_mu);
   DeviceCtx& c = device_ctx(s);
@@ -328,12 +192,6 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& xs, const std::vector
 }  // namespace fdl
 
 using namespace fdl;
-
-// Switch the small-M path on (1) or off (0) at run time, through ctypes (benchmarks compare it with
-// cuBLASLt in one process); FDLITE_GEMV=0 turns it off from the start.
-extern "C" __attribute__((visibility("default"))) void fdl_linear_set_small_m(int enabled) {
-  fdl::g_gemv_enabled = enabled ? 1 : 0;
-}
 
 // fdl_linear(x [..., K], w, bias, trans_w, has_bias) -> y [..., N] in x's dtype.
 // w is [K, N] (fdlite's Linear layout), or [N, K] with trans_w (a tied embedding as LM head).
