@@ -4,12 +4,12 @@ import numpy as np
 import paddle
 import pytest
 
+from fdlite.ops.random import sequence_seed
 from fdlite.ops.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRow,
     apply_penalties,
-    make_generator,
     rows_to_batch,
 )
 from fdlite.sampling_params import SamplingParams
@@ -26,7 +26,7 @@ def sampler():
 
 def row(prompt=(5, 6, 7), output=(), seed=None, child=0, fallback=None, **params):
     fallback = fallback or np.random.default_rng(FALLBACK_SEED)
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), make_generator(seed, child, fallback))
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), sequence_seed(seed, child, fallback))
 
 
 def tensor(x):
@@ -203,16 +203,16 @@ def test_different_seeds_and_children_differ(sampler):
     assert runs[0] == _generate(sampler, row(seed=1, **flat), [], steps=20, seed=3)
 
 
-def test_make_generator():
+def test_sequence_seed():
     fallback = np.random.default_rng(0)
-    a, b = make_generator(None, 0, fallback), make_generator(None, 0, fallback)
+    a, b = sequence_seed(None, 0, fallback), sequence_seed(None, 0, fallback)
     assert a != b  # unseeded: independent streams
-    assert make_generator(5, 2, fallback) == make_generator(5, 2, np.random.default_rng(9))
-    assert make_generator(5, 0, fallback) != make_generator(5, 1, fallback)
+    assert sequence_seed(5, 2, fallback) == sequence_seed(5, 2, np.random.default_rng(9))
+    assert sequence_seed(5, 0, fallback) != sequence_seed(5, 1, fallback)
     # Negative seeds are accepted and fold into uint64 range: -k is the seed 2**64 - k, not k.
     for seed in (-1, -1234):
-        assert make_generator(seed, 0, fallback) == make_generator(seed + 2**64, 0, fallback)
-        assert make_generator(seed, 0, fallback) != make_generator(-seed, 0, fallback)
+        assert sequence_seed(seed, 0, fallback) == sequence_seed(seed + 2**64, 0, fallback)
+        assert sequence_seed(seed, 0, fallback) != sequence_seed(-seed, 0, fallback)
 
 
 def _chi_square(counts, probs):

@@ -144,7 +144,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("fdlite/ops/random.py",
               "np.asarray([seed % 2**64], np.uint64)",
               "np.asarray([abs(seed)], np.uint64)"),),
-        ("tests/test_sampler.py::test_make_generator", "tests/test_seeded_sampling.py"),
+        ("tests/test_sampler.py::test_sequence_seed", "tests/test_seeded_sampling.py"),
         "new",
     ),
     Mutation(

@@ -33,7 +33,7 @@ import numpy as np
 import paddle
 
 from fdlite.ops.custom_op import dispatch_forward
-from fdlite.ops.random import sequence_seed, uniforms
+from fdlite.ops.random import uniforms
 from fdlite.outputs import Logprob
 from fdlite.sampling_params import SamplingParams
 
@@ -139,11 +139,6 @@ def token_counts(token_ids, vocab: int) -> np.ndarray:
     ids = np.asarray(token_ids, np.int64).reshape(-1)
     ids = ids[(ids >= 0) & (ids < vocab)]
     return np.bincount(ids, minlength=vocab).astype(np.float32)
-
-
-def make_generator(seed: int | None, child_index: int, fallback: np.random.Generator) -> int:
-    """Kept name: the 64-bit seed of one completion (see `ops.random.sequence_seed`)."""
-    return sequence_seed(seed, child_index, fallback)
 
 
 class Sampler:

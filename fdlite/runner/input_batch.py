@@ -111,7 +111,6 @@ class InputBatch:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self._eos = np.fromiter(eos_token_ids, np.int64, len(eos_token_ids))
         self.seqs: list[Sequence | None] = [None] * n
         self._free = list(range(n - 1, -1, -1))  # pop() hands out slot 0 first
         self.token_ids = np.zeros((n, max_model_len), np.int32)
@@ -276,10 +275,8 @@ class InputBatch:
         """Rows (indices into `slots`) that may stop after taking `tokens`: EOS, a stop id or string
         to check, or a length limit. The exact decision (and min_tokens) is `check_stop`'s."""
         num_output = self.num_tokens[slots] - self.num_prompt[slots]
-        if len(self._eos) != len(self.eos_token_ids):  # the engine's set, shared: refreshed if it grew
-            self._eos = np.fromiter(self.eos_token_ids, np.int64, len(self.eos_token_ids))
         maybe = np.zeros(len(tokens), bool)
-        for e in self._eos:  # a few ids: cheaper than np.isin's sort
+        for e in self.eos_token_ids:  # the engine's set, read each step (it may change); a few ids: cheaper than np.isin
             maybe |= tokens == e
         maybe &= ~self.ignore_eos[slots]
         maybe |= self.has_stop_ids[slots] | self.watch_text[slots]
