@@ -206,6 +206,7 @@ class Sampler:
         if len(rand):
             sub = _take(batch, rand)
             w, nucleus_mass = filtered_weights(processed[rand], sub)
+            nucleus_mass = np.where(np.isnan(nucleus_mass), row_totals(w), nucleus_mass)
             w = w.astype(np.float64)
             order = np.argsort(-w, axis=1, kind="stable")
             sorted_w = np.take_along_axis(w, order, axis=1)
@@ -250,7 +251,7 @@ def apply_penalties(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
 def filtered_weights(x: np.ndarray, batch: SamplingBatch) -> tuple[np.ndarray, np.ndarray]:
     """Unnormalised probabilities after temperature, top-k and min-p: exp((x - max) / T), the top token 1;
     and each row's total weight after top-k, which top-p's nucleus is measured against (inf for rows
-    without top-p).
+    without top-p, NaN where it equals the row's final total, which the caller has at hand).
 
     top-k keeps tokens whose logit is >= the k-th largest (ties at the boundary all survive);
     min-p drops tokens with prob < min_p * max prob, which is `weight < min_p` here. Top-p looks at
@@ -258,18 +259,22 @@ def filtered_weights(x: np.ndarray, batch: SamplingBatch) -> tuple[np.ndarray, n
     nucleus test can depend on, so applying min-p first changes nothing but the total.
     """
     w = x - x.max(axis=1, keepdims=True)
-    w *= (1.0 / batch.temperature)[:, None]
+    if (batch.temperature != 1.0).any():
+        w *= (1.0 / batch.temperature)[:, None]
     np.exp(w, out=w)
     vocab = w.shape[1]
     for i in np.nonzero((batch.top_k > 0) & (batch.top_k < vocab))[0]:
         kth = np.partition(w[i], vocab - batch.top_k[i])[vocab - batch.top_k[i]]
         w[i][w[i] < kth] = 0.0
-    # float32 pairwise sum (error ~1e-7 relative, far below any top_p resolution): half a float64 sum's time.
-    # Rows without top-p get an infinite mass: no nucleus test can cut them, whatever the rounding.
+    # Rows without top-p get an infinite mass: no nucleus test can cut them, whatever the rounding. Top-p
+    # rows without min-p get NaN, read "the row's total": the inverse CDF sums every row anyway, and
+    # reusing that sum saves a pass over the vocabulary.
     nucleus = batch.top_p < 1.0
     nucleus_mass = np.full(len(w), np.inf)
-    if nucleus.any():
-        nucleus_mass[nucleus] = (w if nucleus.all() else w[nucleus]).sum(axis=1)
+    nucleus_mass[nucleus] = np.nan
+    before_min_p = np.nonzero(nucleus & (batch.min_p > 0.0))[0]
+    if len(before_min_p):
+        nucleus_mass[before_min_p] = row_totals(w[before_min_p])
     mp = np.nonzero(batch.min_p > 0.0)[0]
     if len(mp):
         w[mp] = np.where(w[mp] < batch.min_p[mp, None], 0.0, w[mp])
@@ -279,14 +284,16 @@ def filtered_weights(x: np.ndarray, batch: SamplingBatch) -> tuple[np.ndarray, n
 def _draw(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     """Step (e): one token per row from the filtered distribution, top-p by rejection."""
     w, nucleus_mass = filtered_weights(x, batch)
-    threshold = batch.top_p.astype(np.float64) * nucleus_mass
+    threshold = None
     n = len(w)
     tokens = np.empty(n, np.int64)
     active = np.arange(n)
     for round_ in range(_MAX_ROUNDS):
         sub = w if len(active) == n else w[active]  # a copy only for the few rows drawing again
-        picked = _inverse_cdf(sub, uniforms(batch.seeds[active], batch.positions[active], round_))
+        picked, totals = _inverse_cdf(sub, uniforms(batch.seeds[active], batch.positions[active], round_))
         tokens[active] = picked
+        if threshold is None:  # round 0: every row, nothing dropped yet
+            threshold = batch.top_p.astype(np.float64) * np.where(np.isnan(nucleus_mass), totals, nucleus_mass)
         nucleus = np.nonzero(batch.top_p[active] < 1.0)[0]
         if not len(nucleus):
             return tokens
@@ -305,15 +312,25 @@ def _draw(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     return tokens
 
 
-def _inverse_cdf(w: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """The token where each row's cumulative weight crosses u * total.
+def _chunk_cumsum(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk starts and each row's running float64 sum at the end of every vocabulary chunk."""
+    starts = np.arange(0, w.shape[1], _CHUNK)
+    return starts, np.cumsum(np.add.reduceat(w, starts, axis=1), axis=1, dtype=np.float64)
+
+
+def row_totals(w: np.ndarray) -> np.ndarray:
+    """Each row's total weight, summed exactly as the inverse CDF sums it."""
+    return _chunk_cumsum(w)[1][:, -1]
+
+
+def _inverse_cdf(w: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The token where each row's cumulative weight crosses u * total, and each row's total.
 
     Sums per chunk of the vocabulary first, then a cumulative sum inside the one chunk that holds
     the crossing, so no full-vocabulary cumsum is materialised.
     """
     n, vocab = w.shape
-    starts = np.arange(0, vocab, _CHUNK)
-    cum = np.cumsum(np.add.reduceat(w, starts, axis=1), axis=1, dtype=np.float64)
+    starts, cum = _chunk_cumsum(w)
     total = cum[:, -1]
     target = u * total
     chunk = np.minimum((cum <= target[:, None]).sum(axis=1), len(starts) - 1)
@@ -325,7 +342,7 @@ def _inverse_cdf(w: np.ndarray, u: np.ndarray) -> np.ndarray:
     # Rounding can put the target past the chunk's last token: take its last token with weight.
     last = _CHUNK - 1 - np.argmax(vals[:, ::-1] > 0, axis=1)
     k = np.where((k >= _CHUNK) | (vals[np.arange(n), np.minimum(k, _CHUNK - 1)] <= 0), last, k)
-    return starts[chunk] + k
+    return starts[chunk] + k, total
 
 
 # --- helpers -----------------------------------------------------------------------------------
