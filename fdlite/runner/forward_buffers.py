@@ -35,7 +35,7 @@ class _Buffer:
         if self.host is not None:
             self.host[start : start + len(values)] = values
         else:
-            device_tensors.write_from_host(self.tensor[start : start + len(values)], values)
+            device_tensors.write_from_host_at(self.tensor, start, values)
 
     def view(self, n: int, shape: list[int] | None = None) -> paddle.Tensor:
         if self.host is None:  # GPU: not cached (that a slice is a view there is checked on CPU only)
@@ -92,29 +92,36 @@ class ForwardBuffers:
         """Graph mode: copy `flat` and pad it to `size` tokens (and, for decode graphs, rows).
 
         Padded tokens are token 0 at position 0 of the scratch row, writing the scratch slot. In a
-        prefill graph they belong to no row (rows past the batch have no tokens, KV length 0).
+        prefill graph they belong to no row (rows past the batch have no tokens, KV length 0). Each
+        buffer is padded on the host and written once (on a GPU every write is a copy).
         """
         t, b = flat.num_tokens, flat.num_rows
-        self._write_common(flat)
-        tables = np.empty((b, self.max_blocks), np.int32)
-        tables[:, : flat.block_tables.shape[1]] = flat.block_tables
-        tables[:, flat.block_tables.shape[1] :] = self.scratch_block
-        self.block_tables.write(tables.reshape(-1))
-        extra = size - t
-        if extra > 0:
-            self.input_ids.write(np.zeros(extra, np.int64), t)
-            self.positions.write(np.zeros(extra, np.int64), t)
-            self.slot_mapping.write(np.full(extra, self.scratch_block * self.block_size, np.int64), t)
-            self.token_rows.write(np.full(extra, self.max_rows, np.int64), t)
+        extra = max(0, size - t)
         rows = (size if decode else self.max_rows) - b
+        tables = np.empty((b + max(rows, 0), self.max_blocks), np.int32)
+        tables[:b, : flat.block_tables.shape[1]] = flat.block_tables
+        tables[:b, flat.block_tables.shape[1] :] = self.scratch_block
+        tables[b:] = self.scratch_block
+        seq_lens, cu = flat.seq_lens_kv, flat.cu_seqlens_q
         if rows > 0:
             if decode:  # each padded row is one padded token
-                self.seq_lens_kv.write(np.ones(rows, np.int32), b)
-                self.cu_seqlens_q.write(np.arange(t + 1, size + 1, dtype=np.int32), b + 1)
+                seq_lens = np.concatenate([seq_lens, np.ones(rows, np.int32)])
+                cu = np.concatenate([cu, np.arange(t + 1, size + 1, dtype=np.int32)])
             else:
-                self.seq_lens_kv.write(np.zeros(rows, np.int32), b)
-                self.cu_seqlens_q.write(np.full(rows, t, np.int32), b + 1)
-            self.block_tables.write(np.full(rows * self.max_blocks, self.scratch_block, np.int32), b * self.max_blocks)
+                seq_lens = np.concatenate([seq_lens, np.zeros(rows, np.int32)])
+                cu = np.concatenate([cu, np.full(rows, t, np.int32)])
+
+        def pad(values: np.ndarray, fill: int) -> np.ndarray:
+            return np.concatenate([values, np.full(extra, fill, values.dtype)]) if extra else values
+
+        self.input_ids.write(pad(flat.input_ids, 0))
+        self.positions.write(pad(flat.positions, 0))
+        self.slot_mapping.write(pad(flat.slot_mapping, self.scratch_block * self.block_size))
+        self.token_rows.write(pad(flat.token_rows, self.max_rows))
+        self.seq_lens_kv.write(seq_lens)
+        self.cu_seqlens_q.write(cu)
+        self.logits_indices.write(flat.logits_indices)
+        self.block_tables.write(tables.reshape(-1))
 
     def graph_views(self, size: int, decode: bool, caches) -> tuple[paddle.Tensor, paddle.Tensor, ForwardMeta]:
         """Fixed-shape views for a graph of `size` tokens: what capture binds and replay reads."""
