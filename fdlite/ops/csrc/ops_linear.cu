@@ -5,13 +5,6 @@
 // nothing on sm_90 with PyPI's wheel (ops_common.cuh); measured in SPIKE2, cuBLAS from a custom op
 // runs at torch.matmul's speed.
 //
-// Small M (decode steps): cuBLASLt's first heuristic is often not its fastest there (measured at M = 1:
-// 0.78-1.56 TB/s on Qwen3-0.6B's projections, half the H100's bandwidth), so the first eager call of a
-// shape with M <= kTuneMaxM times the heuristic's top candidates on the real operands and keeps the
-// fastest (the idea of vLLM's and hipBLASLt's GEMM tuning, done once per shape, in process). A graph
-// capture never tunes (timing needs a sync); it takes the first candidate, and the runner's eager
-// warm-up before each capture has tuned the shapes by then.
-//
 // Capture safety: the handles and the workspace (plain cudaMalloc, outside Paddle's allocator) are
 // made by the first call on each device, which must be eager (checked); later calls, inside a
 // capture too, only create host-side descriptors (cached per shape) and enqueue on x's stream.
@@ -21,7 +14,6 @@
 #include <map>
 #include <mutex>
 #include <tuple>
-#include <vector>
 
 #include "ops_common.cuh"
 
@@ -30,15 +22,11 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLASLt's recommendation for Hopper
 constexpr int kMaxDevices = 16;
-constexpr int kTuneMaxM = 64;
-constexpr int kTuneCandidates = 8;
-constexpr int kTuneReps = 5;
 
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
-  std::vector<cublasLtMatmulAlgo_t> candidates;  // heuristic order; cleared once tuned
   bool ok = false;  // false: no cuBLASLt algorithm, fall back to cublasGemmEx + bias kernel
 };
 
@@ -125,50 +113,14 @@ Plan& get_plan(DeviceCtx& c, const Key& key, cudaDataType_t tin, cudaDataType_t 
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof(ab));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ad, sizeof(ad));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ad, sizeof(ad));
-  cublasLtMatmulHeuristicResult_t res[kTuneCandidates]{};
+  cublasLtMatmulHeuristicResult_t res{};
   int n = 0;
-  const int want = M <= kTuneMaxM ? kTuneCandidates : 1;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(c.lt, p.op, p.a, p.b, p.d, p.d, pref, want, res, &n);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(c.lt, p.op, p.a, p.b, p.d, p.d, pref, 1, &res, &n);
   cublasLtMatmulPreferenceDestroy(pref);
   p.ok = st == CUBLAS_STATUS_SUCCESS && n > 0;
-  if (p.ok) {
-    p.algo = res[0].algo;
-    for (int i = 0; n > 1 && i < n; ++i)
-      if (res[i].state == CUBLAS_STATUS_SUCCESS) p.candidates.push_back(res[i].algo);
-    if (p.candidates.size() < 2) p.candidates.clear();
-  }
+  if (p.ok) p.algo = res.algo;
   (void)bias;
   return c.plans.emplace(key, p).first->second;
-}
-
-// Time each candidate of `p` on these operands (kTuneReps runs after one warm-up) and keep the fastest.
-void tune(DeviceCtx& c, Plan& p, const void* x, const void* w, void* y, cudaStream_t s) {
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  FDL_CHECK_CUDA(cudaEventCreate(&e0), "fdl_linear: cudaEventCreate");
-  FDL_CHECK_CUDA(cudaEventCreate(&e1), "fdl_linear: cudaEventCreate");
-  const float alpha = 1.f, beta = 0.f;
-  float best = 0.f;
-  for (size_t i = 0; i < p.candidates.size(); ++i) {
-    const cublasLtMatmulAlgo_t* algo = &p.candidates[i];
-    auto run = [&]() {
-      return cublasLtMatmul(c.lt, p.op, &alpha, w, p.a, x, p.b, &beta, y, p.d, y, p.d, algo, c.ws, kWorkspaceBytes, s);
-    };
-    if (run() != CUBLAS_STATUS_SUCCESS) continue;
-    FDL_CHECK_CUDA(cudaEventRecord(e0, s), "fdl_linear: cudaEventRecord");
-    bool ok = true;
-    for (int r = 0; r < kTuneReps && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
-    FDL_CHECK_CUDA(cudaEventRecord(e1, s), "fdl_linear: cudaEventRecord");
-    FDL_CHECK_CUDA(cudaEventSynchronize(e1), "fdl_linear: cudaEventSynchronize");
-    float ms = 0.f;
-    FDL_CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "fdl_linear: cudaEventElapsedTime");
-    if (ok && (best == 0.f || ms < best)) {
-      best = ms;
-      p.algo = *algo;
-    }
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  p.candidates.clear();
 }
 
 void linear(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& bias, paddle::Tensor& y,
@@ -205,11 +157,6 @@ void linear(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tens
     if (has_bias) {
       const void* bp = bias.data();
       LT_OK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
-    }
-    if (!p.candidates.empty()) {
-      cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-      FDL_CHECK_CUDA(cudaStreamIsCapturing(s, &cs), "fdl_linear: cudaStreamIsCapturing");
-      if (cs == cudaStreamCaptureStatusNone) tune(c, p, x.data(), w.data(), y.data(), s);
     }
     const cublasStatus_t st = cublasLtMatmul(c.lt, p.op, &alpha, w.data(), p.a, x.data(), p.b, &beta, y.data(), p.d,
                                              y.data(), p.d, &p.algo, c.ws, kWorkspaceBytes, s);
