@@ -265,3 +265,55 @@ def test_bitmask_is_applied_to_its_rows_only():
     mask[1, 2] = 1 << 5  # token 69
     apply_token_bitmask(x, mask)
     assert np.isfinite(x[0]).nonzero()[0].tolist() == [3] and np.isfinite(x[1]).nonzero()[0].tolist() == [69]
+
+
+# ---- batch jobs ----------------------------------------------------------------------------------------------
+
+
+def test_job_defaults_line_overrides_per_line_errors_and_summary(tmp_path):
+    from fdlite import cli
+
+    records = [
+        {"id": "default", "prompt": "Mood?"},
+        {"id": "schema", "prompt": "Person:", "sampling": {"response_format": {
+            "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}}},
+        {"id": "date", "prompt": "When?", "sampling": {"structured_outputs": {"regex": DATE}}},
+        {"id": "old", "prompt": "Yes?", "sampling": {"guided_decoding": {"choice": ["yes", "no"]}}},
+        {"id": "cut", "prompt": "Person:", "sampling": {"max_tokens": 3, "structured_outputs": {"json": SCHEMA}}},
+        {"id": "free", "prompt": "Anything", "sampling": {"structured_outputs": None, "max_tokens": 4}},
+        {"id": "bad-regex", "prompt": "x", "sampling": {"structured_outputs": {"regex": "([0-9]"}}},
+        {"id": "bad-schema", "prompt": "x", "sampling": {"response_format": {
+            "type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}}},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    job = {"max_num_seqs": 8, "max_model_len": 256, "input": "in.jsonl", "output": "out.jsonl",
+           "sampling": {"temperature": 0, "max_tokens": 64,
+                        "structured_outputs": {"choice": CHOICES}}}
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    assert cli.main(["run", str(tmp_path / "job.yaml")]) == 1  # the job ran; two lines had errors
+    rows = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert rows["default"]["text"] in CHOICES
+    if rows["schema"]["finish_reason"] == "stop":
+        _check_json_schema(rows["schema"]["text"])
+    assert re.fullmatch(DATE, rows["date"]["text"]) and rows["old"]["text"] in ("yes", "no")
+    assert rows["cut"]["finish_reason"] == "length" and rows["free"]["finish_reason"] == "length"
+    errors = {e["id"]: e["error"] for e in map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())}
+    assert set(errors) == {"bad-regex", "bad-schema"}
+    assert "structured_outputs.regex: invalid regex" in errors["bad-regex"]
+    assert "uniqueItems" in errors["bad-schema"]
+    summary = json.loads((tmp_path / "out.summary.json").read_text())
+    cut = sum(rows[i]["finish_reason"] == "length" for i in ("default", "schema", "date", "old", "cut"))
+    assert summary["structured_outputs"] == {"requests": 5, "ended_by_length": cut} and cut >= 1
+
+
+def test_job_file_errors_name_the_key(tmp_path):
+    from fdlite.jobs.job_config import JobConfigError, load_job
+
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    job = {"input": "in.jsonl", "output": "out.jsonl", "sampling": {"structured_outputs": {"regex": "("}}}
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    with pytest.raises(JobConfigError, match="sampling.structured_outputs: .*invalid regex"):
+        load_job(str(tmp_path / "job.yaml"))
+    job["sampling"] = {"response_format": {"type": "json_object"}}
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    assert load_job(str(tmp_path / "job.yaml")).sampling.structured_outputs.json_object is True
