@@ -238,23 +238,30 @@ def adjust_logits(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
         x[batch.penalty_rows] = apply_penalties(x[batch.penalty_rows], batch)
     if grammar:
         rows = batch.grammar_rows
-        masked = apply_token_bitmask(x[rows], batch.grammar_bitmask)
-        x[rows] = masked
+        apply_token_bitmask(x, batch.grammar_bitmask, rows)
     if len(batch.banned_rows):
+        if grammar:  # rows where a ban meets a grammar: keep their masked logits in case the ban empties them
+            both = np.intersect1d(rows, batch.banned_rows)
+            kept = x[both]
         x[batch.banned_rows, batch.banned_tokens] = _NEG_INF
-        if grammar:
+        if grammar and len(both):
             # A grammar that allows only stop tokens (its output is complete) beats min_tokens.
-            dead = np.nonzero(np.isneginf(x[rows].max(axis=1)))[0]
-            x[rows[dead]] = masked[dead]
+            dead = np.isneginf(x[both].max(axis=1))
+            x[both[dead]] = kept[dead]
     return x
 
 
-def apply_token_bitmask(x: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
-    """`x` [G, vocab] with every token whose bit is 0 in `bitmask` [G, ceil(vocab / 32)] int32 set to -inf, in
-    place (bit j of word i is token 32 i + j, llguidance's and vLLM's layout)."""
+def apply_token_bitmask(x: np.ndarray, bitmask: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """Set every token whose bit is 0 in `bitmask` [G, ceil(vocab / 32)] int32 to -inf in rows `rows` of `x`
+    (all rows when None), in place; bit j of word i is token 32 i + j (llguidance's and vLLM's layout)."""
     allowed = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, count=x.shape[1],
                             bitorder="little").view(bool)
-    np.copyto(x, _NEG_INF, where=~allowed)
+    if rows is None:
+        np.copyto(x, _NEG_INF, where=~allowed)
+        return x
+    # Row by row on views: a fancy-indexed x[rows] would copy every constrained row out and back.
+    for i, r in enumerate(rows.tolist()):
+        np.copyto(x[r], _NEG_INF, where=~allowed[i])
     return x
 
 
