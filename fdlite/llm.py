@@ -138,7 +138,7 @@ class LLM:
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:
             return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
-        return None
+        return self.engine.structured.problem(params)
 
     def generate(
         self,
@@ -230,7 +230,8 @@ class LLM:
     def _new_sequence(self, index: int, child: int, ids: list[int], params: SamplingParams) -> Sequence:
         return Sequence(request_index=index, child_index=child, prompt_token_ids=ids, params=params,
                         seed=sequence_seed(params.seed, child, self._rng),
-                        detokenizer=self.engine.outputs.new_detokenizer(ids, params))
+                        detokenizer=self.engine.outputs.new_detokenizer(ids, params),
+                        grammar=self.engine.structured.new_matcher(params))
 
     def _fail(self, out: RequestOutput, problem: str) -> None:
         logger.warning("request %s failed: %s", out.request_id, problem)
@@ -285,6 +286,7 @@ class LLM:
     def _finish(self, out: RequestOutput, seqs: list[Sequence]) -> None:
         out.outputs = [self._completion(s) for s in seqs]
         out.finished = True
+        out.error = next((s.error for s in seqs if s.error is not None), None)
         out.metrics = {
             "arrival_time": min(s.arrival_time for s in seqs),
             "first_token_time": min((s.first_token_time for s in seqs if s.first_token_time), default=None),

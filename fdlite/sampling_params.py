@@ -7,9 +7,10 @@ returns them so the CLI and the YAML job docs never drift from the code.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import numbers
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
 # Below this temperature a request is greedy (same threshold as vLLM's _SAMPLING_EPS).
@@ -19,6 +20,114 @@ SAMPLING_EPS = 1e-5
 def _opt(default: Any, help: str) -> Any:
     """A dataclass field whose help text lives next to its default."""
     return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of `json` (a JSON
+    schema, as a dict or JSON text), `regex`, `choice` (a list of strings), `grammar` (Lark, or GBNF/EBNF
+    with `root ::= ...`) and `json_object=True` (any JSON object).
+
+    Checked at construction: a schema, regex or grammar the backend (llguidance) rejects is a `ValueError`
+    naming the field and the backend's reason, before any request runs. A mapping or JSON text with these
+    keys is accepted wherever a `StructuredOutputsParams` is (YAML jobs, the command line).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without optional whitespace (vLLM's name)
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise _fail("structured_outputs", "exactly one of json, regex, choice, grammar, json_object",
+                        given or "none")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise _fail("structured_outputs.disable_any_whitespace", "a bool", self.disable_any_whitespace)
+        kind = given[0]
+        spec = getattr(self, kind)
+        if kind == "json":
+            if isinstance(spec, str):
+                try:
+                    spec = self.json = json.loads(spec)
+                except json.JSONDecodeError as e:
+                    raise _fail("structured_outputs.json", f"a JSON schema (invalid JSON text: {e.msg})", spec) from None
+            if not isinstance(spec, (dict, bool)):
+                raise _fail("structured_outputs.json", "a JSON schema (an object)", spec)
+        elif kind in ("regex", "grammar"):
+            if not isinstance(spec, str) or not spec:
+                raise _fail(f"structured_outputs.{kind}", "a non-empty string", spec)
+        elif kind == "choice":
+            if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) and c for c in spec):
+                raise _fail("structured_outputs.choice", "a non-empty list of non-empty strings", spec)
+            spec = self.choice = list(spec)
+        elif spec is not True:
+            raise _fail("structured_outputs.json_object", "true", spec)
+        from fdlite.structured.grammar import compile_grammar, constraint_key  # noqa: PLC0415 (keeps import light)
+
+        self._key = constraint_key(kind, spec, self.disable_any_whitespace)
+        try:
+            compile_grammar(self._key)
+        except ValueError as e:
+            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice list",
+                    "json_object": "JSON object grammar"}[kind]
+            raise ValueError(f"SamplingParams.structured_outputs.{kind}: invalid {what}: {e}") from None
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        return json.loads(self._key)[0]
+
+    @property
+    def key(self) -> str:
+        """The constraint's content as one canonical string (equal constraints share a compiled grammar)."""
+        return self._key
+
+    @classmethod
+    def coerce(cls, value: Any, name: str = "structured_outputs") -> StructuredOutputsParams | None:
+        """`value` as a `StructuredOutputsParams`: the object itself, a mapping of its fields, JSON text of
+        one, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise _fail(name, f"a mapping or JSON object (invalid JSON: {e.msg})", value) from None
+        if not isinstance(value, dict):
+            raise _fail(name, "a mapping with one of json, regex, choice, grammar, json_object", value)
+        known = [f.name for f in fields(cls)]
+        for k in value:
+            if k not in known:
+                raise ValueError(f"unknown key {k!r} in SamplingParams.{name}; known keys: {', '.join(known)}")
+        return cls(**value)
+
+    @classmethod
+    def from_response_format(cls, value: Any) -> StructuredOutputsParams | None:
+        """OpenAI's `response_format`: {"type": "json_schema", "json_schema": {"schema": ...}},
+        {"type": "json_object"} or {"type": "text"} (no constraint)."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise _fail("response_format", f"a mapping or JSON object (invalid JSON: {e.msg})", value) from None
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "json_schema":
+            inner = value.get("json_schema")
+            if not isinstance(inner, dict) or "schema" not in inner:
+                raise _fail("response_format", 'a json_schema object with a "schema"', value)
+            return cls(json=inner["schema"])
+        raise _fail("response_format", 'an object with "type" text, json_object or json_schema', value)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
 @dataclass
@@ -54,8 +163,16 @@ class SamplingParams:
     )
     skip_special_tokens: bool = _opt(True, "Drop special tokens when detokenizing the output.")
     include_stop_str_in_output: bool = _opt(False, "Keep the matched stop string at the end of the text.")
+    structured_outputs: StructuredOutputsParams | None = _opt(
+        None, "Constrain the output: one of json (a JSON schema), regex, choice (list of strings), grammar "
+              "(Lark or EBNF) or json_object: true, as a mapping or JSON; disable_any_whitespace: true for compact "
+              "JSON. Also accepted: guided_decoding (vLLM's older name) and response_format (OpenAI's)."
+    )
+    # Aliases for input only (not stored): vLLM's older spelling and OpenAI's response_format.
+    guided_decoding: InitVar[Any] = None
+    response_format: InitVar[Any] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: Any = None, response_format: Any = None) -> None:
         self.n = _int("n", self.n, minimum=1)
         self.presence_penalty = _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         self.frequency_penalty = _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
@@ -80,6 +197,10 @@ class SamplingParams:
             self.logprobs = _int("logprobs", self.logprobs, minimum=0)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self.structured_outputs = _structured(self.structured_outputs, guided_decoding, response_format)
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("SamplingParams.ignore_eos cannot be combined with structured_outputs: a constrained "
+                             "output ends with the end-of-sequence token once the grammar is complete")
 
     @property
     def is_greedy(self) -> bool:
@@ -104,7 +225,7 @@ class SamplingParams:
         """Build from a mapping (e.g. a YAML job); unknown keys raise `ValueError` naming them."""
         if not isinstance(d, dict):
             raise ValueError(f"sampling options must be a mapping, got {type(d).__name__}: {d!r}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} | set(ALIASES)
         for key in d:
             if key not in known:
                 raise ValueError(f"unknown sampling option {key!r}; known options: {', '.join(sorted(known))}")
@@ -116,7 +237,24 @@ class SamplingParams:
         return {f.name: f.metadata["help"] for f in fields(cls)}
 
 
+# Keys `SamplingParams(...)` and `from_dict` accept besides its fields, each standing for structured_outputs.
+ALIASES = ("guided_decoding", "response_format")
+
+
 # --- validation helpers: each error names the field and the bad value -----------------------
+
+
+def _structured(value: Any, guided_decoding: Any, response_format: Any) -> StructuredOutputsParams | None:
+    given = [n for n, v in (("structured_outputs", value), ("guided_decoding", guided_decoding),
+                            ("response_format", response_format)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"SamplingParams: give one of {' and '.join(given)}; they are the same option")
+    if response_format is not None:
+        return StructuredOutputsParams.from_response_format(response_format)
+    if guided_decoding is not None:
+        return StructuredOutputsParams.coerce(guided_decoding, "guided_decoding")
+    return StructuredOutputsParams.coerce(value)
+
 
 
 def _fail(name: str, requirement: str, value: Any) -> ValueError:

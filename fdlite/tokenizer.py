@@ -284,6 +284,11 @@ class Tokenizer:
         skips them by default. For the same flag both give the same text."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_str(self) -> str:
+        """The tokenizer as `tokenizer.json` text, added tokens included (structured outputs build their
+        token-level grammar matcher from it)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (byte-level form, e.g. 'Ġhello') of one id, or None when out of range."""
         return self._tok.id_to_token(token_id)

@@ -199,3 +199,20 @@ def test_bf16_checkpoint_loads_without_frombuffer(tmp_path, monkeypatch):
         monkeypatch.delattr(paddle.base.core, "frombuffer")
     got = LLM(path, device="cpu", **COMMON).generate(prompts(3), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_emulated_gpu_sampler_applies_grammar_masks_on_the_host(monkeypatch):
+    """Constrained rows (structured outputs) go through the GPU sampler's host round trip: same tokens as on CPU."""
+    from fdlite.sampling_params import StructuredOutputsParams
+
+    common = dict(max_num_seqs=4, max_model_len=128, kv_cache_memory_bytes=1 << 24)
+    params = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-c]{3}-[0-9]{2}")),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["up", "down"]))]
+    ps = ["one", "two", "three"]
+    want = LLM(device="cpu", **common).generate(ps, params, use_tqdm=False)
+    calls = _emulate_gpu(monkeypatch)
+    got = LLM(**common).generate(ps, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert want[0].outputs[0].text[:4] and want[2].outputs[0].text in ("up", "down")
+    assert calls["gather_rows"] > 0 and calls["copy_from_host"] > 0

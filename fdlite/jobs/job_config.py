@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 
 from fdlite.config import EngineConfig, unknown_key_error
-from fdlite.jobs.job_input import FORMATS, InputFileError, check_input, detect_format
+from fdlite.jobs.job_input import FORMATS, InputFileError, check_input, detect_format, merge_sampling
 from fdlite.jobs.options import ENGINE_OPTIONS, SAMPLING_OPTIONS, check_value
-from fdlite.sampling_params import SamplingParams
+from fdlite.sampling_params import ALIASES, SamplingParams
 
 # The job's own keys, with their help text (the only copy: the CLI and README read it from here).
 JOB_KEYS: dict[str, str] = {
@@ -245,9 +245,9 @@ def _sampling(value: Any, overrides: Overrides, where: _Where) -> SamplingParams
     if not isinstance(value, dict):
         raise where.error("sampling", f"must be a mapping of sampling options, got {value!r}")
     for key in value:
-        if key not in _SAMPLING:
+        if key not in _SAMPLING and key not in ALIASES:
             raise where.error(f"sampling.{key}", str(unknown_key_error("sampling option", str(key), list(_SAMPLING))))
-    merged = {**value, **overrides.sampling}
+    merged = merge_sampling(value, overrides.sampling)
     try:
         return SamplingParams.from_dict(merged)
     except (ValueError, TypeError) as e:

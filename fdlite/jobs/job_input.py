@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fdlite.config import unknown_key_error
-from fdlite.sampling_params import SamplingParams
+from fdlite.sampling_params import ALIASES, SamplingParams
 
 FORMATS = ("jsonl", "csv", "text")
 LINE_KEYS = ("id", "prompt", "messages", "sampling")  # keys of a JSONL object, columns of a CSV file
@@ -132,9 +132,18 @@ def _apply_overrides(defaults: SamplingParams, base: dict[str, Any], overrides: 
         raise ValueError(f"must be an object of sampling options, got {_json_type(overrides)}")
     known = list(base)
     for key in overrides:
-        if key not in base:
+        if key not in base and key not in ALIASES:
             raise unknown_key_error("option", key, known)
-    return SamplingParams.from_dict({**base, **overrides})
+    return SamplingParams.from_dict(merge_sampling(base, overrides))
+
+
+def merge_sampling(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` on top; a constraint given in `overrides` under any of its names
+    (structured_outputs, guided_decoding, response_format) replaces the one in `base`."""
+    names = ("structured_outputs", *ALIASES)
+    if any(overrides.get(n) is not None for n in names):
+        base = {k: v for k, v in base.items() if k not in names}
+    return {**base, **overrides}
 
 
 def _json_type(value: Any) -> str:

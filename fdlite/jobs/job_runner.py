@@ -148,7 +148,9 @@ def _run_chunk(llm: LLM, job: JobConfig, chunk: list[JobRequest], output: JsonlA
         rec = result_record(req.id, out)
         if output is not None:
             output.append(rec)
-        stats.add_result(rec["prompt_tokens"], rec["output_tokens"], rec["latency_s"], rec["ttft_s"])
+        stats.add_result(rec["prompt_tokens"], rec["output_tokens"], rec["latency_s"], rec["ttft_s"],
+                         constrained=req.sampling.structured_outputs is not None,
+                         cut_by_length=any(c.finish_reason == "length" for c in out.outputs))
         progress.add_tokens(0, rec["output_tokens"])
         progress.request_done(rec["prompt_tokens"])
 

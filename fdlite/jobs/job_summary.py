@@ -34,11 +34,16 @@ class JobStats:
     output_tokens: int = 0
     latencies_s: list[float] = field(default_factory=list)
     ttfts_s: list[float] = field(default_factory=list)
+    constrained: int = 0  # completed requests with structured_outputs
+    constrained_length: int = 0  # of those, how many had a completion cut by length (its output is incomplete)
     engine: dict[str, int] = field(default_factory=dict)  # Engine.stats() counters over this run
 
     def add_result(self, prompt_tokens: int, output_tokens: int, latency_s: float | None,
-                   ttft_s: float | None) -> None:
+                   ttft_s: float | None, constrained: bool = False, cut_by_length: bool = False) -> None:
         self.completed += 1
+        if constrained:
+            self.constrained += 1
+            self.constrained_length += cut_by_length
         self.input_tokens += prompt_tokens
         self.output_tokens += output_tokens
         if latency_s is not None:
@@ -70,6 +75,7 @@ class JobStats:
             "output_tokens_per_s": _round(self.output_tokens / wall_time_s if wall_time_s > 0 else 0.0),
             "prefill_tokens_computed": self.engine.get("prefill_tokens_computed", 0),
             "prefix_cache": _prefix_cache(self.engine),
+            "structured_outputs": {"requests": self.constrained, "ended_by_length": self.constrained_length},
             "latency_s": pcts(self.latencies_s),
             "ttft_s": pcts(self.ttfts_s),
             "exit_code": exit_code,
@@ -103,6 +109,10 @@ def format_summary(s: dict[str, Any], summary_path: str) -> str:
         f"time to first token p50 {sec(s['ttft_s']['p50'])}, p99 {sec(s['ttft_s']['p99'])}",
         f"  output: {s['output']}",
     ]
+    so = s["structured_outputs"]
+    if so["requests"]:
+        lines.append(f"  structured outputs: {so['requests']} constrained requests, {so['ended_by_length']} ended by "
+                     "length (incomplete: raise max_tokens)")
     if r["errors"]:
         lines.append(f"  errors: {s['errors_file']}")
     lines.append(f"  summary: {summary_path}")

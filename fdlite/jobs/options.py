@@ -27,6 +27,7 @@ _KINDS = {
     "list[int]": "int_list",
     "str | list[str]": "str_list",
     "GraphOptimizationConfig": "json",
+    "StructuredOutputsParams": "json",
 }
 
 
@@ -45,7 +46,7 @@ class OptionSpec:
     @property
     def default_text(self) -> str:
         """The default as a user would type it."""
-        if self.kind == "json":
+        if self.kind == "json" and self.name == "graph_optimization_config":
             return json.dumps(dataclasses.asdict(GraphOptimizationConfig()))
         if self.default is None:
             return "none"

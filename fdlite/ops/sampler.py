@@ -5,6 +5,8 @@ Order of operations follows vLLM:
   (b) min_tokens: eos / stop token ids masked while the output is too short (`banned`);
   (c) repetition, frequency and presence penalties, from per-slot token counts the batch keeps
       incrementally (never re-binned from token lists);
+  (c') structured outputs: tokens the row's grammar does not allow set to -inf, on the constrained rows
+      only (`apply_token_bitmask`); the grammar wins over a min_tokens ban that would leave nothing;
   (d) greedy rows: argmax;
   (e) other rows: temperature, top-k, min-p, then inverse-CDF sampling with top-p by rejection.
 
@@ -64,6 +66,11 @@ class SamplingBatch:
     presence_penalty: np.ndarray | None = None
     output_counts: np.ndarray | None = None  # [P, vocab] float32: occurrences in the output so far
     prompt_seen: np.ndarray | None = None  # [P, vocab] bool: occurs in the prompt
+    # Structured outputs, for the rows `grammar_rows` only (None when no row is constrained): the rows'
+    # matchers (filled into a bitmask by the runner) and that bitmask, [G, ceil(vocab / 32)] int32.
+    grammar_rows: np.ndarray | None = None
+    grammars: list | None = None
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -223,14 +230,39 @@ class Sampler:
 
 
 def adjust_logits(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
-    """Steps (b) and (c) on a copy of the affected logits: min_tokens masking, then penalties."""
-    if not len(batch.banned_rows) and batch.penalty_rows is None:
+    """Steps (b), (c) and (c') on a copy of the logits: penalties, the grammar mask, min_tokens bans."""
+    grammar = batch.grammar_bitmask is not None and len(batch.grammar_rows)
+    if not len(batch.banned_rows) and batch.penalty_rows is None and not grammar:
         return x
     x = x.copy()
     if batch.penalty_rows is not None:
         x[batch.penalty_rows] = apply_penalties(x[batch.penalty_rows], batch)
+    if grammar:
+        rows = batch.grammar_rows
+        apply_token_bitmask(x, batch.grammar_bitmask, rows)
     if len(batch.banned_rows):
+        if grammar:  # rows where a ban meets a grammar: keep their masked logits in case the ban empties them
+            both = np.intersect1d(rows, batch.banned_rows)
+            kept = x[both]
         x[batch.banned_rows, batch.banned_tokens] = _NEG_INF
+        if grammar and len(both):
+            # A grammar that allows only stop tokens (its output is complete) beats min_tokens.
+            dead = np.isneginf(x[both].max(axis=1))
+            x[both[dead]] = kept[dead]
+    return x
+
+
+def apply_token_bitmask(x: np.ndarray, bitmask: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """Set every token whose bit is 0 in `bitmask` [G, ceil(vocab / 32)] int32 to -inf in rows `rows` of `x`
+    (all rows when None), in place; bit j of word i is token 32 i + j (llguidance's and vLLM's layout)."""
+    allowed = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, count=x.shape[1],
+                            bitorder="little").view(bool)
+    if rows is None:
+        np.copyto(x, _NEG_INF, where=~allowed)
+        return x
+    # Row by row on views: a fancy-indexed x[rows] would copy every constrained row out and back.
+    for i, r in enumerate(rows.tolist()):
+        np.copyto(x[r], _NEG_INF, where=~allowed[i])
     return x
 
 

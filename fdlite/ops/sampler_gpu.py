@@ -7,10 +7,10 @@ same token sets as the CPU's top-k / top-p / min-p; where a CPU and a GPU draw d
 token of the kept set u lands on (integer masses vs float64 sums), not in the distribution.
 
 What crosses to the host per step: the sampled ids. Rows that ask for logprobs also copy their raw
-logits back (log-softmax and top-k on the host, as the issue allows). Rows with penalties or with
-stop tokens held back by min_tokens copy their logits to the host, are adjusted there by the CPU
-sampler's own code, and go back before the kernel draws: the rare rows pay two copies, the batch
-pays nothing.
+logits back (log-softmax and top-k on the host, as the issue allows). Rows with penalties, with
+stop tokens held back by min_tokens, or constrained by a grammar (structured outputs: the bitmask is
+computed on the host anyway) copy their logits to the host, are adjusted there by the CPU sampler's own
+code, and go back before the kernel draws: those rows pay two copies, the rest of the batch nothing.
 """
 
 from __future__ import annotations
@@ -31,16 +31,19 @@ def _rows_to_host(logits: paddle.Tensor, rows: np.ndarray) -> np.ndarray:
 
 
 def _adjust_on_host(logits: paddle.Tensor, batch: SamplingBatch) -> None:
-    """Penalties and min_tokens bans for the rows that have them, in place in the GPU logits."""
-    parts = [batch.banned_rows] + ([batch.penalty_rows] if batch.penalty_rows is not None else [])
+    """Penalties, grammar masks and min_tokens bans for the rows that have them, in place in the GPU logits."""
+    grammar = batch.grammar_bitmask is not None and batch.grammar_rows is not None
+    parts = [batch.banned_rows] + ([batch.penalty_rows] if batch.penalty_rows is not None else []) + (
+        [batch.grammar_rows] if grammar else [])
     rows = np.unique(np.concatenate(parts).astype(np.int64))
     if not len(rows):
         return
     host = _rows_to_host(logits, rows)
-    # The same batch with its row indices renumbered into `rows` (the penalty arrays keep their order).
+    # The same batch with its row indices renumbered into `rows` (the penalty and grammar arrays keep their order).
+    renumber = lambda r: None if r is None else np.searchsorted(rows, r)  # noqa: E731
     sub = dataclasses.replace(
-        batch, banned_rows=np.searchsorted(rows, batch.banned_rows),
-        penalty_rows=None if batch.penalty_rows is None else np.searchsorted(rows, batch.penalty_rows))
+        batch, banned_rows=np.searchsorted(rows, batch.banned_rows), penalty_rows=renumber(batch.penalty_rows),
+        grammar_rows=renumber(batch.grammar_rows) if grammar else None)
     adjusted = adjust_logits(host, sub)
     for i, r in enumerate(rows.tolist()):
         write_from_host(logits[r : r + 1], adjusted[i : i + 1])
@@ -51,7 +54,7 @@ def sample_on_gpu(logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raise ValueError(f"logits must be [rows={batch.num_rows}, vocab], got shape {list(logits.shape)}")
     asking = np.nonzero(batch.num_logprobs >= 0)[0]
     raw = _rows_to_host(logits, asking) if len(asking) else None  # before any adjustment (vLLM: raw logprobs)
-    if len(batch.banned_rows) or batch.penalty_rows is not None:
+    if len(batch.banned_rows) or batch.penalty_rows is not None or batch.grammar_bitmask is not None:
         _adjust_on_host(logits, batch)
     if (batch.temperature <= 0.0).all():
         tokens = gpu_ops.argmax(logits)

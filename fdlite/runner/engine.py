@@ -33,6 +33,7 @@ from fdlite.runner.model_runner import ModelRunner
 from fdlite.runner.output_processor import OutputProcessor
 from fdlite.runner.scheduler import ScheduledBatch, Scheduler
 from fdlite.runner.sequence import Sequence
+from fdlite.structured.matcher import StructuredOutputs
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class Engine:
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size, self.vocab_size,
                                       eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, eos_token_ids)
+        runner.eos_token_ids = sorted(eos_token_ids)
         self._pending = None  # async scheduling: the step in flight (batch, inputs, future)
         self._executor: ThreadPoolExecutor | None = None
         self.num_steps = 0
@@ -195,6 +198,21 @@ class Engine:
             self._pending = None
             future.result()
 
+    def _advance_grammars(self, step: StepInputs, tokens: list[int], now: float) -> list[Sequence]:
+        """Feed each constrained row's token to its matcher; a row whose matcher rejects it (the grammar
+        hit a backend limit) finishes with "error". Returns those rows."""
+        failed = []
+        for i in step.sampling.grammar_rows.tolist():
+            seq = step.sample_seqs[i]
+            if seq.is_finished:
+                continue
+            if not seq.grammar.consume_token(tokens[i]):
+                seq.error = f"structured_outputs: the grammar matcher failed: {seq.grammar.get_error().strip()}"
+                seq.finish_time = now
+                self.scheduler.finish(seq, "error")
+                failed.append(seq)
+        return failed
+
     def _count_tokens(self, step: StepInputs) -> None:
         ib = self.input_batch
         if self.debug_poison:
@@ -229,6 +247,8 @@ class Engine:
         finished = self.scheduler.update_from_output(step.sample_seqs, sampled.token_ids, candidates.tolist(),
                                                      self.outputs, self.eos_token_ids, now, reserved)
         self.outputs.record(step.sample_seqs, sampled, step.sampling, now)
+        if step.sampling is not None and step.sampling.grammar_rows is not None:
+            finished += self._advance_grammars(step, sampled.token_ids, now)
         for seq in finished:
             if seq.slot is not None:
                 ib.remove(seq)

@@ -139,6 +139,7 @@ class InputBatch:
         self.ignore_eos = np.zeros(n, bool)
         self.has_stop_ids = np.zeros(n, bool)
         self.watch_text = np.zeros(n, bool)
+        self.has_grammar = np.zeros(n, bool)  # structured outputs: the row's sequence has a matcher
 
     @property
     def num_running(self) -> int:
@@ -171,6 +172,7 @@ class InputBatch:
         self.ignore_eos[slot] = p.ignore_eos
         self.has_stop_ids[slot] = bool(p.stop_token_ids)
         self.watch_text[slot] = seq.detokenizer is not None  # fed every token (stop strings)
+        self.has_grammar[slot] = seq.grammar is not None
         self.has_penalties[slot] = p.has_penalties
         if p.has_penalties:
             self.repetition_penalty[slot] = p.repetition_penalty
@@ -239,6 +241,10 @@ class InputBatch:
                 self.seqs[slots[i]].params, int(num_output[i]), self.eos_token_ids, self.vocab_size)]
             if pairs:
                 batch.banned_rows, batch.banned_tokens = (np.asarray(a, np.int64) for a in zip(*pairs))
+        constrained = np.nonzero(self.has_grammar[slots])[0]
+        if len(constrained):
+            batch.grammar_rows = constrained
+            batch.grammars = [self.seqs[s].grammar for s in slots[constrained].tolist()]
         pen = np.nonzero(self.has_penalties[slots])[0]
         if len(pen):
             ps = slots[pen]

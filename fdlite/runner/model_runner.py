@@ -41,6 +41,7 @@ from fdlite.distributed.communicator import Communicator, set_communicator
 from fdlite.runner.dummy_batch import dummy_batch, even_split, small_prefill_lengths
 from fdlite.runner.forward_buffers import ForwardBuffers
 from fdlite.runner.input_batch import StepInputs
+from fdlite.structured.matcher import BitmaskFiller
 
 logger = logging.getLogger("fdlite")
 
@@ -85,6 +86,8 @@ class ModelRunner:
         load_weights(self.model, model_path)
         self.model.eval()
         self.sampler = Sampler()
+        self.bitmasks = BitmaskFiller(model_config.vocab_size)
+        self.eos_token_ids: list[int] = []  # set by the engine: what a grammar row may end with
         g = config.graph_optimization_config
         self.buffers = ForwardBuffers(
             max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs, *(g.cudagraph_capture_sizes or [1])),
@@ -256,11 +259,21 @@ class ModelRunner:
         return self.model.compute_logits(hidden, logits_indices)
 
     def execute(self, step: StepInputs) -> SamplerOutput | None:
-        """Run one step: forward, then (rank 0) sample; every rank gets rank 0's tokens."""
+        """Run one step: forward, then (rank 0) sample; every rank gets rank 0's tokens.
+
+        The grammar bitmask of constrained rows (structured outputs) is computed in another thread while
+        the forward runs; the sampler waits for it.
+        """
+        sampling = step.sampling
+        masks = None
+        if self.parallel.is_driver and sampling is not None and sampling.grammars:
+            masks = self.bitmasks.start(sampling.grammars, self.eos_token_ids)
         logits = self.forward(step.flat)
+        if masks is not None:
+            sampling.grammar_bitmask = masks.result()
         if logits is None:
             return None
-        sampled = self.sampler(logits, step.sampling) if self.parallel.is_driver else None
+        sampled = self.sampler(logits, sampling) if self.parallel.is_driver else None
         if self.parallel.world_size > 1:
             sampled = share_sampled_tokens(self.comm, sampled, step.sample_seqs)
         return sampled

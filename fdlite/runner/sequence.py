@@ -34,6 +34,7 @@ class Sequence:
     params: SamplingParams
     seed: int  # 64-bit: the sampler's uniforms are a function of (seed, position) (ops/random.py)
     detokenizer: object | None = None  # IncrementalDetokenizer, only for sequences with stop strings
+    grammar: object | None = None  # llguidance matcher, only for structured outputs (structured/matcher.py)
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -44,6 +45,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why it finished with "error" (a grammar the output could not follow)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
