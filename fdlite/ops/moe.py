@@ -73,7 +73,8 @@ class FusedMoE(CustomOp):
         self.down_proj = self.create_parameter([num_experts, intermediate_size, hidden_size], dtype=dtype)
         self.e_score_correction_bias = (self.create_parameter([1, num_experts], dtype="float32", is_bias=True)
                                         if correction_bias else None)
-        # Tokens per expert of the last balanced (profiling) run, for checks and logs.
+        # Token choices per expert in the last forward, and in the last balanced (profiling) one: for checks.
+        self.last_counts: np.ndarray | None = None
         self.balanced_counts: np.ndarray | None = None
 
     def route(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -99,6 +100,7 @@ class FusedMoE(CustomOp):
         flat = ids.flatten()
         order = paddle.argsort(flat, stable=True)  # choices grouped by expert, token order within one
         counts = np.bincount(flat.numpy(), minlength=self.num_experts)  # the one host read: slice bounds
+        self.last_counts = counts
         if _BALANCED["on"]:
             self.balanced_counts = counts
         rows = paddle.gather(x, order // k)  # [T * k, hidden], expert by expert
