@@ -152,3 +152,35 @@ def test_paddle_layout_unfused_names_load(model_dirs, tmp_path):
     fused = save_paddle_layout(model_dirs["ernie45"], str(tmp_path / "a"), "ernie.")
     unfused = save_paddle_layout(model_dirs["ernie45"], str(tmp_path / "b"), "ernie.", fuse=False)
     assert run(fused, prompts)[1] == run(unfused, prompts)[1]
+
+
+@pytest.mark.parametrize("family", ["ernie45_moe", "paddle:ernie45_moe"])
+def test_each_rank_loads_its_columns_of_every_expert(model_dirs, paddle_dirs, family):
+    from safetensors.numpy import load_file
+
+    from fdlite.models.model_config import ModelConfig
+    from fdlite.models.registry import model_class
+    from fdlite.models.tp_partition import TPPartition
+    from fdlite.models.weight_loader import load_weights
+
+    full = load_file(f"{model_dirs['ernie45_moe']}/model.safetensors")
+    path = paddle_dirs["ernie45_moe"] if family.startswith("paddle:") else model_dirs["ernie45_moe"]
+    cfg = ModelConfig.from_dir(path)
+    for rank in (0, 1):
+        tp = TPPartition.of(cfg, rank, 2)
+        model = model_class(cfg.architecture)(cfg, "float32", 64, tp)
+        load_weights(model, path)
+        p = {k: v.numpy() for k, v in model.named_parameters()}
+        m = "model.layers.3.mlp."
+        i0, i1 = tp.shard(cfg.moe_intermediate_size)
+        for e in (0, 7):
+            x = f"{m}experts.{e}."
+            want = np.concatenate([full[x + "gate_proj.weight"][i0:i1], full[x + "up_proj.weight"][i0:i1]]).T
+            np.testing.assert_array_equal(p[m + "experts.gate_up_proj"][e], want)
+            np.testing.assert_array_equal(p[m + "experts.down_proj"][e], full[x + "down_proj.weight"][:, i0:i1].T)
+        s0, s1 = tp.shard(2 * cfg.moe_intermediate_size)  # 2 shared experts, one MLP twice as wide
+        np.testing.assert_array_equal(p[m + "shared_experts.down_proj.weight"],
+                                      full[m + "shared_experts.down_proj.weight"][:, s0:s1].T)
+        np.testing.assert_array_equal(p[m + "experts.gate.weight"], full[m + "gate.weight"].T)  # replicated
+        np.testing.assert_array_equal(p[m + "experts.e_score_correction_bias"],
+                                      full[m + "moe_statics.e_score_correction_bias"])
