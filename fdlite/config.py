@@ -98,8 +98,9 @@ class GraphOptimizationConfig:
 class EngineConfig:
     """All options of `LLM`. Names and defaults follow FastDeploy's parameter table."""
 
-    model: str | None = _opt(None, "Model folder in the Hugging Face layout; None uses the built-in default model.")
-    tokenizer: str | None = _opt(None, "Tokenizer folder; defaults to the model folder.")
+    model: str | None = _opt(None, "Model folder (Hugging Face or Paddle checkpoint layout, detected) or a Hugging Face model id such as "
+                              "Qwen/Qwen3-0.6B (local cache first, else downloaded); None uses the built-in default model.")
+    tokenizer: str | None = _opt(None, "Tokenizer folder or model id; defaults to the model's.")
     skip_tokenizer_init: bool = _opt(False, "Load no tokenizer: prompts must be token ids and outputs have no text.")
     dtype: str = _opt("auto", "Weight/activation dtype: auto (from config.json), float32, bfloat16 or float16.")
     device: str | None = _opt(

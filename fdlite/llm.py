@@ -15,6 +15,7 @@ from fdlite.default_model import default_model_path
 from fdlite.distributed.lockstep import check_same_requests, requests_digest
 from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import check_graph_opt_level, translation_count
+from fdlite.model_source import resolve_model
 from fdlite.models.context_length import choose_max_model_len, fit_to_cache
 from fdlite.models.model_config import ModelConfig
 from fdlite.ops.random import sequence_seed
@@ -34,8 +35,10 @@ PromptType = str | dict | list[int]
 class LLM:
     """An offline LLM engine: one object owns the model, the KV cache and the batch loop.
 
-    `LLM(model, **options)` takes every option of `EngineConfig` by name (FastDeploy's names);
-    `model=None` uses the built-in default model (random weights, real Qwen3 tokenizer).
+    `LLM(model, **options)` takes every option of `EngineConfig` by name (FastDeploy's names).
+    `model` is a model folder or a Hugging Face model id (from the local cache, else downloaded;
+    `fdlite/model_source.py`); `model=None` uses the built-in default model (random weights, real
+    Qwen3 tokenizer).
 
     With `tensor_parallel_size=N` the script runs under `paddle.distributed.launch` in N processes,
     each building its own `LLM` with the same arguments; every rank must call `generate` with the
@@ -52,7 +55,8 @@ class LLM:
         t_start = time.perf_counter()
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         check_graph_opt_level(self.config.graph_optimization_config.graph_opt_level)
-        self.model_path = model or default_model_path()
+        # A model id ("Qwen/Qwen3-0.6B") becomes its Hugging Face cache folder (model_source.py).
+        self.model_path = resolve_model(model) if model else default_model_path()
         self.phases = PhaseRecorder(probes={"sot_translations": translation_count})
 
         with self.phases.phase("load_weights"):
@@ -61,7 +65,8 @@ class LLM:
             self.config.resolve_max_model_len(length.tokens)
             self.tokenizer = None
             if not self.config.skip_tokenizer_init:
-                self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.model_path)
+                self.tokenizer = Tokenizer.from_pretrained(
+                    resolve_model(self.config.tokenizer) if self.config.tokenizer else self.model_path)
             self.runner = ModelRunner(self.config, self.model_path, self.model_config)
 
         with self.phases.phase("profile_run"):
