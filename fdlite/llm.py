@@ -21,6 +21,7 @@ from fdlite.models.model_config import ModelConfig
 from fdlite.ops.random import sequence_seed
 from fdlite.outputs import CompletionOutput, RequestOutput
 from fdlite.progress import Progress
+from fdlite.reasoning import make_reasoning_parser
 from fdlite.runner.engine import Engine
 from fdlite.runner.model_runner import ModelRunner
 from fdlite.runner.sequence import Sequence
@@ -67,6 +68,7 @@ class LLM:
             if not self.config.skip_tokenizer_init:
                 self.tokenizer = Tokenizer.from_pretrained(
                     resolve_model(self.config.tokenizer) if self.config.tokenizer else self.model_path)
+            self.reasoning_parser = make_reasoning_parser(self.config.reasoning_parser, self.tokenizer)
             self.runner = ModelRunner(self.config, self.model_path, self.model_config)
 
         with self.phases.phase("profile_run"):
@@ -217,7 +219,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        `chat_template_kwargs` reach the template (e.g. `{"enable_thinking": False}` for Qwen3; with a
+        `reasoning_parser` the output is then all answer, see `fdlite/reasoning.py`)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -244,9 +249,13 @@ class LLM:
         out.outputs = [CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")]
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
+        text, reasoning = self.engine.outputs.text(seq), None
+        if self.reasoning_parser is not None:
+            reasoning, text = self.reasoning_parser.extract(text, seq.prompt_token_ids)
         return CompletionOutput(
             index=seq.child_index,
-            text=self.engine.outputs.text(seq),
+            text=text,
+            reasoning_content=reasoning,
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
