@@ -98,9 +98,13 @@ class GraphOptimizationConfig:
 class EngineConfig:
     """All options of `LLM`. Names and defaults follow FastDeploy's parameter table."""
 
-    model: str | None = _opt(None, "Model folder in the Hugging Face layout; None uses the built-in default model.")
-    tokenizer: str | None = _opt(None, "Tokenizer folder; defaults to the model folder.")
+    model: str | None = _opt(None, "Model folder (Hugging Face or Paddle checkpoint layout, detected) or a Hugging Face model id such as "
+                              "Qwen/Qwen3-0.6B (local cache first, else downloaded); None uses the built-in default model.")
+    tokenizer: str | None = _opt(None, "Tokenizer folder or model id; defaults to the model's.")
     skip_tokenizer_init: bool = _opt(False, "Load no tokenizer: prompts must be token ids and outputs have no text.")
+    reasoning_parser: str | None = _opt(
+        None, "Split a thinking model's <think>...</think> part of each output into CompletionOutput.reasoning_content "
+        "(text keeps the answer): qwen3 or ernie45, as vLLM's parsers of those names; none: text is the whole output.")
     dtype: str = _opt("auto", "Weight/activation dtype: auto (from config.json), float32, bfloat16 or float16.")
     device: str | None = _opt(
         None, "Device to compute on: cpu, gpu or gpu:N (default: Paddle's current device, as paddle.set_device left "
@@ -174,6 +178,8 @@ class EngineConfig:
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         self.device = parse_device(self.device)
+        if self.reasoning_parser is not None and self.reasoning_parser not in ("qwen3", "ernie45"):
+            raise ValueError(f"reasoning_parser must be qwen3, ernie45 or None, got {self.reasoning_parser!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         # Options left unset and filled in here; `resolve_max_model_len` fills them in again.

@@ -15,11 +15,13 @@ from fdlite.default_model import default_model_path
 from fdlite.distributed.lockstep import check_same_requests, requests_digest
 from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import check_graph_opt_level, translation_count
+from fdlite.model_source import resolve_model
 from fdlite.models.context_length import choose_max_model_len, fit_to_cache
 from fdlite.models.model_config import ModelConfig
 from fdlite.ops.random import sequence_seed
 from fdlite.outputs import CompletionOutput, RequestOutput
 from fdlite.progress import Progress
+from fdlite.reasoning import make_reasoning_parser
 from fdlite.runner.engine import Engine
 from fdlite.runner.model_runner import ModelRunner
 from fdlite.runner.sequence import Sequence
@@ -34,8 +36,10 @@ PromptType = str | dict | list[int]
 class LLM:
     """An offline LLM engine: one object owns the model, the KV cache and the batch loop.
 
-    `LLM(model, **options)` takes every option of `EngineConfig` by name (FastDeploy's names);
-    `model=None` uses the built-in default model (random weights, real Qwen3 tokenizer).
+    `LLM(model, **options)` takes every option of `EngineConfig` by name (FastDeploy's names).
+    `model` is a model folder or a Hugging Face model id (from the local cache, else downloaded;
+    `fdlite/model_source.py`); `model=None` uses the built-in default model (random weights, real
+    Qwen3 tokenizer).
 
     With `tensor_parallel_size=N` the script runs under `paddle.distributed.launch` in N processes,
     each building its own `LLM` with the same arguments; every rank must call `generate` with the
@@ -52,7 +56,8 @@ class LLM:
         t_start = time.perf_counter()
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         check_graph_opt_level(self.config.graph_optimization_config.graph_opt_level)
-        self.model_path = model or default_model_path()
+        # A model id ("Qwen/Qwen3-0.6B") becomes its Hugging Face cache folder (model_source.py).
+        self.model_path = resolve_model(model) if model else default_model_path()
         self.phases = PhaseRecorder(probes={"sot_translations": translation_count})
 
         with self.phases.phase("load_weights"):
@@ -61,7 +66,9 @@ class LLM:
             self.config.resolve_max_model_len(length.tokens)
             self.tokenizer = None
             if not self.config.skip_tokenizer_init:
-                self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer or self.model_path)
+                self.tokenizer = Tokenizer.from_pretrained(
+                    resolve_model(self.config.tokenizer) if self.config.tokenizer else self.model_path)
+            self.reasoning_parser = make_reasoning_parser(self.config.reasoning_parser, self.tokenizer)
             self.runner = ModelRunner(self.config, self.model_path, self.model_config)
 
         with self.phases.phase("profile_run"):
@@ -212,7 +219,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        `chat_template_kwargs` reach the template (e.g. `{"enable_thinking": False}` for Qwen3; with a
+        `reasoning_parser` the output is then all answer, see `fdlite/reasoning.py`)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -240,9 +250,13 @@ class LLM:
         out.outputs = [CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")]
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
+        text, reasoning = self.engine.outputs.text(seq), None
+        if self.reasoning_parser is not None:
+            reasoning, text = self.reasoning_parser.extract(text, seq.prompt_token_ids)
         return CompletionOutput(
             index=seq.child_index,
-            text=self.engine.outputs.text(seq),
+            text=text,
+            reasoning_content=reasoning,
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

@@ -29,6 +29,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    # With a `reasoning_parser`: the <think> part of the output (None when there was none); `text` is the rest.
+    reasoning_content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -27,7 +27,19 @@ FAMILIES = {
         tie_word_embeddings=False, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    # ERNIE-4.5-0.3B's shape: interleaved rope, tied; here with bias on every projection, head_dim != hidden / heads
+    "ernie45": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(use_bias=True, head_dim=32, tie_word_embeddings=True)),
+    # ERNIE-4.5-21B-A3B's: layers 0, 2 dense and 1, 3 MoE (start 1, interval 2); 3 of 8 experts per token,
+    # a float32 router with a score-correction bias, 2 shared experts
+    "ernie45_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        num_hidden_layers=4, moe_num_experts=8, moe_k=3, moe_intermediate_size=32, moe_num_shared_experts=2,
+        moe_layer_start_index=1, moe_layer_interval=2, tie_word_embeddings=False)),
+    # Qwen3-30B-A3B's: q/k norm, layer 0 dense (mlp_only_layers), 2 of 8 experts, renormalised weights
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[0], decoder_sparse_step=1, head_dim=32, tie_word_embeddings=False)),
 }
+MOE_FAMILIES = ("ernie45_moe", "qwen3_moe")
 
 
 def write_random_model(path: str, family: str, seed: int = 0, **overrides) -> str:
@@ -79,3 +91,38 @@ def reference_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> li
 @torch.no_grad()
 def reference_last_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def save_paddle_layout(src: str, dst: str, prefix: str, fuse: bool = True, architecture: str | None = None) -> str:
+    """Rewrite the model folder `src` as a Paddle-layout checkpoint in `dst` (what `-Paddle` repositories hold):
+    `prefix` in place of `model.`, every linear weight (projections, router, LM head) transposed to [in, out],
+    and with `fuse`, q/k/v stacked into `qkv_proj` and gate/up into `up_gate_proj` (gate columns first)."""
+    import json
+
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(os.path.join(src, "model.safetensors"), framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    out = {}
+    for name, t in tensors.items():
+        if t.ndim == 2 and name.endswith(("_proj.weight", "mlp.gate.weight", "lm_head.weight")):
+            t = t.T
+        out[prefix + name[len("model."):] if name.startswith("model.") else name] = np.ascontiguousarray(t)
+    if fuse:
+        for name in [n for n in out if ".q_proj." in n]:
+            parts = [out.pop(name.replace("q_proj", p)) for p in ("q_proj", "k_proj", "v_proj")]
+            out[name.replace("q_proj", "qkv_proj")] = np.concatenate(parts, axis=-1)
+        for name in [n for n in out if "gate_proj." in n]:
+            parts = [out.pop(name.replace("gate_proj", p)) for p in ("gate_proj", "up_proj")]
+            out[name.replace("gate_proj", "up_gate_proj")] = np.concatenate(parts, axis=-1)
+    os.makedirs(dst, exist_ok=True)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if architecture:
+        config["architectures"] = [architecture]
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst

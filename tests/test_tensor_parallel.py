@@ -42,6 +42,9 @@ MODELS = {
     "qwen3": ("qwen3", {"vocab_size": 509}),
     "llama": ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel layers with a bias
     "qwen2_kv1": ("qwen2", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated
+    "ernie45": ("ernie45", {}),  # interleaved rope, biased row-parallel layers
+    "ernie45_moe": ("ernie45_moe", {}),  # experts' and shared experts' widths split, two all-reduces per MoE layer
+    "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": False}),
 }
 BLOCK_BYTES_PER_RANK = 2 * 2 * 16 * 1 * 16 * 4  # K and V, 2 layers, 16-token blocks, 1 KV head of 16, float32
 

@@ -18,6 +18,7 @@ import yaml
 
 from fdlite.config import EngineConfig, unknown_key_error
 from fdlite.jobs.job_input import FORMATS, InputFileError, check_input, detect_format, merge_sampling
+from fdlite.model_source import is_model_id
 from fdlite.jobs.options import ENGINE_OPTIONS, SAMPLING_OPTIONS, check_value
 from fdlite.sampling_params import ALIASES, SamplingParams
 
@@ -183,7 +184,10 @@ def load_job(path: str, overrides: Overrides | None = None) -> JobConfig:
     for key in _PATH_KEYS:  # relative paths in the file are relative to the file, not to the cwd
         for d in (engine, job):
             if isinstance(d.get(key), str) and d[key]:
-                d[key] = os.path.join(base_dir, os.path.expanduser(d[key]))
+                joined = os.path.join(base_dir, os.path.expanduser(d[key]))
+                # A model id ("Qwen/Qwen3-0.6B") stays one unless a folder of that name is beside the file.
+                if not (key in ("model", "tokenizer") and is_model_id(d[key]) and not os.path.exists(joined)):
+                    d[key] = joined
     engine.update(overrides.engine)
     job.update(overrides.job)
 

@@ -161,6 +161,7 @@ def result_record(request_id: str | int, out: RequestOutput) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "id": request_id,
         "text": first.text,
+        "reasoning_content": first.reasoning_content,  # with a reasoning_parser: the <think> part, else null
         "token_ids": first.token_ids,
         "finish_reason": first.finish_reason,
         "stop_reason": first.stop_reason,
@@ -173,7 +174,7 @@ def result_record(request_id: str | int, out: RequestOutput) -> dict[str, Any]:
     }
     if len(out.outputs) > 1:
         rec["outputs"] = [
-            {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            {"text": c.text, "reasoning_content": c.reasoning_content, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for c in out.outputs
         ]
     return rec

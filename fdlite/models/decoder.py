@@ -1,7 +1,9 @@
-"""The decoder-only transformer that Qwen2/2.5, Qwen3 and Llama 3 share, as Paddle layers.
+"""The decoder-only transformer that Qwen2/2.5, Qwen3, Llama 3, ERNIE 4.5 and the MoE models share, as Paddle layers.
 
-The families differ in three switches (`DecoderSpec`): bias on q/k/v, RMSNorm on q and k per
-head, and the rope scaling (read from config). Linear weights use Paddle's [in, out] layout (the
+The families differ in a few switches (`DecoderSpec`): bias on q/k/v, RMSNorm on q and k per head,
+ERNIE's interleaved rotary layout (handled by the loader, see `rope_interleaved`), and the rope
+scaling (read from config); and in each layer's MLP (`DecoderForCausalLM.make_mlp`: dense, or a
+mixture of experts, `models/moe.py`). Linear weights use Paddle's [in, out] layout (the
 loader transposes the Hugging Face [out, in] tensors once), because Paddle's CPU matmul pays a
 full copy for `transpose_y`; q/k/v and gate/up are fused into one matrix each (fewer kernel
 launches per layer).
@@ -19,6 +21,7 @@ attention, activation, logits) chose its CPU or GPU implementation when it was b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import paddle
@@ -42,6 +45,11 @@ from fdlite.ops.rotary import RotaryEmbedding
 class DecoderSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
+    # ERNIE rotates pairs (0, 1), (2, 3), ... of each head rather than halves (0, d/2), ... . The loader
+    # permutes q_proj/k_proj's output rows within each head so that the halves layout computes the same
+    # thing (q.k is unchanged by one permutation applied to both), and the attention op, CPU and GPU
+    # kernels alike, keeps one rotary layout.
+    rope_interleaved: bool = False
 
 
 class DecoderAttention(nn.Layer):
@@ -65,10 +73,13 @@ class DecoderAttention(nn.Layer):
 
 
 class DecoderMLP(nn.Layer):
-    def __init__(self, cfg: ModelConfig, dtype: str, tp: TPPartition):
+    """SwiGLU MLP; `intermediate_size`: this rank's columns (default: the config's dense MLP split over ranks)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str, tp: TPPartition, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * tp.intermediate_size, cfg.mlp_bias, dtype)
-        self.down_proj = RowParallelLinear(tp.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, tp)
+        inter = tp.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * inter, cfg.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -77,12 +88,12 @@ class DecoderMLP(nn.Layer):
 
 class DecoderLayer(nn.Layer):
     def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, max_positions: int,
-                 tp: TPPartition):
+                 tp: TPPartition, mlp: nn.Layer):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = DecoderAttention(cfg, spec, layer_id, dtype, max_positions, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = DecoderMLP(cfg, dtype, tp)
+        self.mlp = mlp
 
     def forward(self, positions, hidden, residual, meta):
         """(hidden, residual) -> (hidden, residual): the residual add is fused into the next norm (vLLM's
@@ -101,10 +112,11 @@ class DecoderLayer(nn.Layer):
 class DecoderModel(nn.Layer):
     """Embedding, layers, final norm: the part a graph backend translates and captures."""
 
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, dtype: str, max_positions: int, tp: TPPartition):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, dtype: str, max_positions: int, tp: TPPartition,
+                 make_mlp: Callable[[int], nn.Layer]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.hidden_size, dtype, tp.vocab_per_rank, tp.rank, tp.size)
-        self.layers = nn.LayerList([DecoderLayer(cfg, spec, i, dtype, max_positions, tp)
+        self.layers = nn.LayerList([DecoderLayer(cfg, spec, i, dtype, max_positions, tp, make_mlp(i))
                                     for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -125,13 +137,18 @@ class DecoderForCausalLM(nn.Layer):
     def __init__(self, cfg: ModelConfig, dtype: str, max_positions: int, tp: TPPartition | None = None):
         super().__init__()
         self.config = cfg
+        self.dtype = dtype
         self.tp = tp or TPPartition.single(cfg)
         # Parameters are created empty: `load_weights` fills every one from the checkpoint (drawing random
         # initial values first took 8 of Qwen3-0.6B's 13 s of loading on CPU).
         with paddle.LazyGuard():
-            self.model = DecoderModel(cfg, self.spec, dtype, max_positions, self.tp)
+            self.model = DecoderModel(cfg, self.spec, dtype, max_positions, self.tp, self.make_mlp)
             self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, dtype, self.tp)
         self.logits_processor = LogitsProcessor(self.lm_head, self.model.embed_tokens, self.tp)
+
+    def make_mlp(self, layer_id: int) -> nn.Layer:
+        """The MLP of layer `layer_id`: dense here; MoE families override it."""
+        return DecoderMLP(self.config, self.dtype, self.tp)
 
     def forward(self, ids_remove_padding, positions, forward_meta):
         return self.model(ids_remove_padding=ids_remove_padding, positions=positions, forward_meta=forward_meta)

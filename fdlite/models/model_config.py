@@ -1,7 +1,10 @@
 """`config.json` of a Hugging Face model folder, read into one plain dataclass.
 
 Accepts both the transformers 4.x spelling (`rope_theta`, `rope_scaling`, `torch_dtype`) and the
-5.x one (`rope_parameters`, `dtype`).
+5.x one (`rope_parameters`, `dtype`), and ERNIE 4.5's (`use_bias` for every projection; its Paddle
+checkpoints' architecture name `Ernie4_5_ForCausalLM`). The MoE keys stay in `raw`
+(`models/moe.py` reads them); only `moe_intermediate_size` is here, since the tensor-parallel split
+checks it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class ModelConfig:
     torch_dtype: str
     hidden_act: str
     eos_token_id: list[int] = field(default_factory=list)
+    moe_intermediate_size: int = 0  # one routed expert's MLP width; 0: a dense model
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -62,6 +66,12 @@ class ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             scaling.setdefault("rope_type", scaling.get("type", "default"))
+        ernie = str(raw.get("model_type", "")).startswith("ernie4_5")
+        # ERNIE's configs may leave rope_theta out: transformers' Ernie4_5Config then means 500000.
+        default_theta = 500000.0 if ernie else 10000.0
+        moe_inter = raw.get("moe_intermediate_size") or 0
+        if isinstance(moe_inter, list):  # ERNIE-VL's per-modality widths; the text experts come first
+            moe_inter = moe_inter[0]
         eos = raw.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -76,13 +86,14 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", default_theta))),
             rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            attention_bias=bool(raw.get("attention_bias", raw.get("use_bias", False))),
+            mlp_bias=bool(raw.get("mlp_bias", raw.get("use_bias", False))),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             hidden_act=raw.get("hidden_act", "silu"),
             eos_token_id=eos,
+            moe_intermediate_size=int(moe_inter),
             raw=raw,
         )

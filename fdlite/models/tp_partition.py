@@ -7,7 +7,9 @@ each rank reads, so the two cannot disagree.
 - KV heads split evenly when there are at least tp of them (kv_heads % tp == 0). With fewer, each
   is replicated: rank r holds the single KV head r // (tp // kv_heads), which is the one its query
   heads read under GQA (query head j reads KV head j // (heads / kv_heads)).
-- The MLP's intermediate size splits evenly.
+- The MLP's intermediate size splits evenly, and so does each routed expert's and the shared experts'
+  (every rank holds a slice of every expert; expert parallelism, whole experts per rank, is not
+  implemented yet).
 - The vocabulary splits in ceil(vocab / tp) rows per rank; the last rank's missing rows are zero
   padding that the LM head's gather cuts away, so no vocabulary size is refused.
 """
@@ -49,6 +51,9 @@ class TPPartition:
         if cfg.intermediate_size % size:
             problems.append(f"intermediate_size ({cfg.intermediate_size}) is not divisible by "
                             f"tensor_parallel_size ({size})")
+        if cfg.moe_intermediate_size % size:
+            problems.append(f"moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by "
+                            f"tensor_parallel_size ({size})")
         if problems:
             raise ValueError(f"{cfg.architecture} cannot be split across {size} ranks: " + "; ".join(problems))
         if kv >= size:
@@ -73,6 +78,11 @@ class TPPartition:
     @property
     def intermediate_range(self) -> tuple[int, int]:
         return self.rank * self.intermediate_size, (self.rank + 1) * self.intermediate_size
+
+    def shard(self, full: int) -> tuple[int, int]:
+        """This rank's even share [start, stop) of a dimension of `full` (checked divisible in `of`)."""
+        n = full // self.size
+        return self.rank * n, (self.rank + 1) * n
 
     @property
     def vocab_range(self) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from fdlite.models.registry import model_class
 from fdlite.models.tp_partition import TPPartition
 from fdlite.models.weight_loader import load_weights
 from fdlite.ops.forward_meta import FlatBatch
+from fdlite.ops.moe import balanced_routing
 from fdlite.ops.platform import select_device
 from fdlite.ops.sampler import Sampler, SamplerOutput
 from fdlite.graph.backend import GraphOptBackend
@@ -109,6 +110,8 @@ class ModelRunner:
         `kv_cache_memory_bytes`), so the batch is only what proves a real step runs, a few prompts of
         different lengths (`small_prefill_lengths`): a full 1024-token prefill of Qwen3-0.6B took 44 s
         there. Either way the forward runs before the first request, so a shape problem shows at startup.
+        MoE layers route its tokens to every expert (`balanced_routing`; with fewer token choices than
+        experts, to as many as there are choices).
         """
         reset_peak_memory()
         before = device_memory()
@@ -119,7 +122,9 @@ class ModelRunner:
                                          self.tp.num_kv_heads, self.model_config.head_dim, self.dtype)
         temp_bytes = temp_blocks * self.bytes_per_block
         with_cache = device_memory()
-        self.forward(dummy_batch(lengths, self.config.block_size, temp_blocks), use_graphs=False)
+        # MoE layers route the dummy tokens round-robin to every expert: the peak is all experts' work.
+        with balanced_routing():
+            self.forward(dummy_batch(lengths, self.config.block_size, temp_blocks), use_graphs=False)
         during = device_memory()
         self.kv_cache = None
         if before is None:
