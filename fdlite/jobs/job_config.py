@@ -25,7 +25,8 @@ from fdlite.sampling_params import SamplingParams
 JOB_KEYS: dict[str, str] = {
     "input": "Prompts file: JSONL (one {\"id\", \"prompt\" or \"messages\", \"sampling\"} object a line), "
              "CSV (columns id, prompt, sampling) or plain text (one prompt a line).",
-    "input_format": "jsonl, csv or text; default: from the input file's extension.",
+    "input_format": "jsonl, csv, text or openai (OpenAI batch file: custom_id, method, url, body a line); default: "
+                    "from the input file's extension, and openai for a JSON-lines file of batch requests.",
     "output": "Results file (JSONL), appended as requests finish; a rerun skips ids already in it (resume).",
     "errors": "Per-line problems (JSONL); default: the output path with .errors.jsonl.",
     "summary": "Summary JSON written at the end; default: the output path with .summary.json.",
@@ -49,7 +50,7 @@ class JobConfigError(ValueError):
 class JobConfig:
     """A validated job. Paths are absolute; `engine_options` is what `LLM(**engine_options)` gets."""
 
-    source: str  # the job file as given
+    source: str | None  # the job file as given; None for `fdlite run-batch` (no job file)
     engine_options: dict[str, Any]  # the LLM options the job sets (YAML and command line)
     engine: EngineConfig  # the same, with every default filled in
     sampling: SamplingParams
@@ -163,7 +164,16 @@ def load_job(path: str, overrides: Overrides | None = None) -> JobConfig:
         data = {}
     if not isinstance(data, dict):
         raise where.error(None, f"the job file must be a mapping of options, got a {type(data).__name__}")
-    base_dir = os.path.dirname(os.path.abspath(path))
+    return _build_job(path, data, where, os.path.dirname(os.path.abspath(path)), overrides)
+
+
+def batch_job(overrides: Overrides) -> JobConfig:
+    """The job of `fdlite run-batch -i IN -o OUT [options]`: an OpenAI batch file, everything else from flags."""
+    overrides.job.setdefault("input_format", "openai")
+    return _build_job(None, {}, _Where(None, {}, overrides.flags), os.getcwd(), overrides)
+
+
+def _build_job(path: str | None, data: dict, where: _Where, base_dir: str, overrides: Overrides) -> JobConfig:
 
     known = [s.name for s in ENGINE_OPTIONS] + list(JOB_KEYS)
     engine: dict[str, Any] = {}
