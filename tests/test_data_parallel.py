@@ -135,3 +135,30 @@ def test_sigkill_of_one_rank_then_rerun_gives_each_id_once(tmp_path, single):
     assert shares[1]["resumed"] == 2  # group 1 redid only what was missing
     assert shares[0]["this_run"] == 0 or shares[0]["resumed"] == 0  # group 0 had finished or had not started
     assert summary(tmp_path)["requests"]["done"] == 12
+
+
+def test_readme_data_parallel_command(tmp_path, single):
+    """The README's job file and CPU command, as written (the `fdlite` console script under the launcher)."""
+    import re
+    import shlex
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("## Data parallel: more processes, more nodes")
+    sec = text[start:text.index("\n## ", start + 1)]
+    (tmp_path / "job.yaml").write_text(re.findall(r"```yaml\n(.*?)```", sec, flags=re.S)[0])
+    (tmp_path / "prompts.txt").write_text("".join(p + "\n" for p in PROMPTS[:6]))
+    commands = [c for block in re.findall(r"```bash\n(.*?)```", sec, flags=re.S) for c in block.splitlines()
+                if c.startswith("python -m paddle.distributed.launch")]
+    assert any("--nnodes 2 --master " in c for c in commands)
+    argv = shlex.split(commands[0])
+    assert argv[3:5] == ["--nproc_per_node", "2"]
+    argv[0] = sys.executable
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(argv + ["--no-progress"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "results.jsonl")]
+    assert [r["id"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert summary(tmp_path)["data_parallel"]["size"] == 2

@@ -222,3 +222,26 @@ def test_shares_are_balanced_by_length_and_deterministic():
     loads = [sum(c for c, s in zip(costs, shares) if s == k) for k in (0, 1)]
     assert sorted(loads) == [102, 103]  # by count alone (4 and 4) one share could hold 150 + 50
     assert assign_shares([5] * 8, 4).count(3) == 2  # equal lengths: equal counts
+
+
+def test_readme_batch_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    import re
+    import shlex
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        text = f.read()
+    start = text.index("## OpenAI batch files: `fdlite run-batch`")
+    sec = text[start:text.index("\n## ", start + 1)]
+    (tmp_path / "batch.jsonl").write_text(re.findall(r"```jsonl\n(.*?)```", sec, flags=re.S)[0])
+    command = re.findall(r"```bash\n(.*?)```", sec, flags=re.S)[0].splitlines()[0].split("#")[0]
+    argv = shlex.split(command)
+    assert argv[:2] == ["fdlite", "run-batch"]
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv[1:] + ["--no-progress"]) == 0
+    rows = read_jsonl(tmp_path / "results.jsonl")
+    chat_body = check_result_line(rows[0], "req-1", "chat.completion")
+    assert chat_body["usage"]["completion_tokens"] <= 16
+    body = check_result_line(rows[1], "req-2", "text_completion")
+    assert len(body["choices"]) == 2
+    documented = json.loads(re.findall(r"```json\n(.*?)```", sec, flags=re.S)[0])
+    assert list(documented) == list(rows[0]) and list(documented["response"]["body"]) == list(chat_body)
