@@ -162,3 +162,11 @@ def test_readme_data_parallel_command(tmp_path, single):
     rows = [json.loads(line) for line in open(tmp_path / "out" / "results.jsonl")]
     assert [r["id"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert summary(tmp_path)["data_parallel"]["size"] == 2
+
+
+def test_data_parallel_without_the_launcher_stops_before_the_model_loads(tmp_path, capsys):
+    job = make_job(tmp_path, data_parallel_size=2)
+    assert cli.main(["run", job, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "data_parallel_size: 2 x tensor_parallel_size 1 needs 2 processes" in err
+    assert "paddle.distributed.launch --nproc_per_node 2" in err
