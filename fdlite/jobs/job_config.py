@@ -235,8 +235,10 @@ def _build_job(path: str | None, data: dict, where: _Where, base_dir: str, overr
     if fmt is None:
         fmt = detect_format(paths["input"])
         if fmt is None:
-            raise where.error("input", f"cannot tell the format of {os.path.basename(paths['input'])!r} from its "
-                                       f"extension; set input_format to one of {', '.join(FORMATS)}")
+            json_lines = os.path.splitext(paths["input"])[1].lower() in (".jsonl", ".ndjson", ".json")
+            why = "its lines (OpenAI batch requests mixed with other objects)" if json_lines else "its extension"
+            raise where.error("input", f"cannot tell the format of {os.path.basename(paths['input'])!r} from {why}; "
+                                       f"set input_format to one of {', '.join(FORMATS)}")
     elif fmt not in FORMATS:
         raise where.error("input_format", f"must be one of {', '.join(FORMATS)}, got {fmt!r}")
     try:

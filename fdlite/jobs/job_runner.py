@@ -225,6 +225,8 @@ def _run_in_shares(job: JobConfig, show_progress: bool, stdout: TextIO) -> int:
         if own.torn_bytes:
             _say(f"{parts.part(share)}: cut away a torn last line ({own.torn_bytes} bytes) left by an interrupted run")
         done = merged.done | own.done
+        if os.path.exists(parts.errors(share)):
+            os.remove(parts.errors(share))  # failed requests run again: only this run's failures count
         for _, state in scan_parts(parts.stale_parts(), key):
             done |= state.done
     if lead:
@@ -274,7 +276,7 @@ def _run_in_shares(job: JobConfig, show_progress: bool, stdout: TextIO) -> int:
             if path in others:
                 tails.append(PartTail(path, state.good_bytes))
         initial = sum(r.key in seen for r in requests)
-    progress = Progress(total=len(requests), enabled=show_progress and lead, desc=f"fdlite run", initial=initial)
+    progress = Progress(total=len(requests), enabled=show_progress and lead, desc="fdlite run", initial=initial)
     last_poll = [time.perf_counter()]
 
     def follow(force: bool = False) -> None:
@@ -323,7 +325,7 @@ def _run_in_shares(job: JobConfig, show_progress: bool, stdout: TextIO) -> int:
     for m in markers:
         if m["share"] != share:
             stats.absorb(m)
-    gen_errors = read_errors(parts.all_errors())
+    gen_errors = read_errors([p for p in map(parts.errors, range(dp)) if os.path.exists(p)])
     if any(state.lines for _, state in scan_parts(parts.all_parts(), key)) or not os.path.exists(job.output) \
             or (openai and gen_errors):
         _merge(job, parts, merged, gen_errors, openai, key)

@@ -78,9 +78,6 @@ class Parts:
         """Parts of an earlier run with another share count: done results nobody appends to any more."""
         return [p for p in self.all_parts() if int(_PART.search(os.path.basename(p)).group(2)) != self.n]
 
-    def all_errors(self) -> list[str]:
-        return sorted(glob.glob(os.path.join(glob.escape(self.folder), "share-*-of-*.errors.jsonl")))
-
     def clear_markers(self) -> None:
         for path in glob.glob(os.path.join(glob.escape(self.folder), "share-*-of-*.done.json")):
             os.remove(path)
