@@ -108,7 +108,8 @@ def init_tensor_parallel(tensor_parallel_size: int, device: str, data_parallel_s
     dp_rank, tp_rank = group_of(rank, tp)
     group = None
     if dp > 1 and tp > 1:
-        # Every rank must create every group, in the same order, even the ones it is not in.
+        # Every rank must create every group, in the same order, even the ones it is not in. (On the
+        # loaded 2-core test machine, gloo's connect inside this call is sometimes refused: see README.)
         groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(dp)]
         group = groups[dp_rank]
     if tp > 1:
