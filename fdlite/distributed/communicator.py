@@ -102,7 +102,8 @@ class Communicator:
 
         if self.device == "gpu":
             # On the compute stream: no cross-stream events, so a CUDA graph can capture it.
-            dist.stream.all_reduce(x, group=self.group, use_calc_stream=True)
+            group = {"group": self.group} if self.group is not None else {}
+            dist.stream.all_reduce(x, use_calc_stream=True, **group)
         else:
             dist.all_reduce(x, group=self.group)
         return x
