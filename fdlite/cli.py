@@ -1,4 +1,5 @@
-"""The `fdlite` command: `fdlite run JOB.yaml` for batch jobs, `fdlite generate PROMPT` for a quick try.
+"""The `fdlite` command: `fdlite run JOB.yaml` for batch jobs, `fdlite run-batch -i IN -o OUT` for OpenAI
+batch files, `fdlite generate PROMPT` for a quick try.
 
 Every `LLM` option and every sampling option is a `--flag` built from the dataclass fields (see
 `fdlite.jobs.options`), so the command line, the YAML job file and the Python API share one set of
@@ -15,7 +16,7 @@ import textwrap
 from typing import Any
 
 from fdlite.config import unknown_key_error
-from fdlite.jobs.job_config import JOB_KEYS, JobConfigError, Overrides, command_line_error, load_job
+from fdlite.jobs.job_config import JOB_KEYS, JobConfigError, Overrides, batch_job, command_line_error, load_job
 from fdlite.jobs.job_input import FORMATS
 from fdlite.jobs.job_output import OutputFileError
 from fdlite.jobs.options import ENGINE_OPTIONS, SAMPLING_OPTIONS, OptionSpec, parse_cli_value
@@ -86,11 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fdlite", parents=[options], allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="fdlite: offline batch inference for LLMs on PaddlePaddle.\n\n"
                     "  fdlite run JOB.yaml          run a batch job (resumable; see README, 'Batch jobs')\n"
+                    "  fdlite run-batch -i IN -o OUT  run an OpenAI batch file (resumable)\n"
                     "  fdlite generate PROMPT       one prompt, text to stdout\n\n"
                     "Options below apply to both commands and override the job file.",
         epilog=_job_keys_text(),
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,run-batch,generate}")
 
     run = sub.add_parser(
         "run", parents=[options], allow_abbrev=False, help="run a YAML batch job",
@@ -107,6 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--input-format", dest="job.input_format", default=argparse.SUPPRESS, choices=FORMATS,
                      help=JOB_KEYS["input_format"])
     job.add_argument("--no-progress", dest="no_progress", action="store_true", help="Do not draw the progress bar.")
+
+    batch = sub.add_parser(
+        "run-batch", parents=[options], allow_abbrev=False, help="run an OpenAI batch file",
+        description="Run an OpenAI batch file (one {custom_id, method, url, body} request a line, for "
+                    "/v1/chat/completions and /v1/completions) and write OpenAI batch output lines, as vLLM's and "
+                    "FastDeploy's run-batch do; rerunning the same command resumes. Lines that cannot run get an "
+                    "error object in the output. Exit codes as for `fdlite run`.",
+    )
+    for flags, key in ((("-i", "--input"), "input"), (("-o", "--output"), "output"), (("--errors",), "errors"),
+                       (("--summary",), "summary")):
+        batch.add_argument(*flags, dest=f"job.{key}", default=argparse.SUPPRESS, metavar="PATH",
+                           required=key in ("input", "output"), help=JOB_KEYS[key])
+    batch.add_argument("--no-progress", dest="no_progress", action="store_true", help="Do not draw the progress bar.")
 
     gen = sub.add_parser("generate", parents=[options], allow_abbrev=False, help="complete one prompt",
                          description="Complete one prompt and print the text to stdout.")
@@ -139,7 +154,8 @@ def _overrides(args: argparse.Namespace) -> Overrides:
 def _run(args: argparse.Namespace, o: Overrides) -> int:
     from fdlite.jobs.job_runner import run_job
 
-    return run_job(load_job(args.job, o), show_progress=not args.no_progress)
+    job = batch_job(o) if args.command == "run-batch" else load_job(args.job, o)
+    return run_job(job, show_progress=not args.no_progress)
 
 
 def _generate(args: argparse.Namespace, o: Overrides) -> int:
@@ -175,7 +191,8 @@ def _unknown_arguments(parser: argparse.ArgumentParser, unknown: list[str]) -> i
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     known = [s.flag for s in ENGINE_OPTIONS + SAMPLING_OPTIONS]
     known += [f"--no-{s.flag[2:]}" for s in ENGINE_OPTIONS + SAMPLING_OPTIONS if s.kind == "bool"]
-    known += ["--input", "--output", "--errors", "--summary", "--input-format", "--no-progress", "--chat", "--help"]
+    known += ["--input", "--output", "--errors", "--summary", "--input-format", "--no-progress", "--chat", "--help",
+              "-i", "-o"]
     print(f"fdlite: error: {unknown_key_error('option', flag, known)}", file=sys.stderr)
     return EXIT_BAD_USAGE
 
@@ -191,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_USAGE
     try:
         o = _overrides(args)
-        return _run(args, o) if args.command == "run" else _generate(args, o)
+        return _generate(args, o) if args.command == "generate" else _run(args, o)
     except (JobConfigError, OutputFileError) as e:
         print(f"fdlite: error: {e}", file=sys.stderr)
         return EXIT_BAD_USAGE

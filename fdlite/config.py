@@ -125,6 +125,10 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = _opt(None, "Use exactly this many KV-cache blocks instead of profiling.")
     kv_cache_memory_bytes: int | None = _opt(None, "KV-cache byte budget on CPU (default 1 GiB); on GPU profiling sizes the cache.")
     tensor_parallel_size: int = _opt(1, "Number of GPUs the model is split across (one process each, started by paddle.distributed.launch).")
+    data_parallel_size: int = _opt(
+        1, "Number of model copies (each of tensor_parallel_size processes) that split a job's requests between "
+        "them; launch data_parallel_size * tensor_parallel_size processes with paddle.distributed.launch."
+    )
     enable_prefix_caching: bool = _opt(
         True, "Reuse the KV blocks of shared prefixes (hash-chained full blocks, LRU eviction of unused ones). "
         "On by default, as in vLLM and SGLang (FastDeploy: off); outputs are the same either way."
@@ -161,7 +165,7 @@ class EngineConfig:
             raise ValueError(f"use_cudagraph must be a bool, got {self.use_cudagraph!r}")
         if self.use_cudagraph:
             self.graph_optimization_config.use_cudagraph = True
-        positive = ("max_num_seqs", "block_size", "tensor_parallel_size",
+        positive = ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size",
                     "max_num_partial_prefills", "max_long_partial_prefills")
         for name in positive:
             v = getattr(self, name)

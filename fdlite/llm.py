@@ -44,7 +44,9 @@ class LLM:
     With `tensor_parallel_size=N` the script runs under `paddle.distributed.launch` in N processes,
     each building its own `LLM` with the same arguments; every rank must call `generate` with the
     same requests. Rank 0 (`is_driver`) returns the outputs; the other ranks do the same work and get
-    an empty list.
+    an empty list. With `data_parallel_size=D` as well, D * N processes form D independent groups of N
+    (consecutive ranks); each group is one engine over the requests its own ranks pass to `generate`
+    (`fdlite run` splits a job's requests between the groups), and each group's first rank returns outputs.
     """
 
     # What the last `generate` / `generate_stream` computed: steps, prefill/decode tokens, prefix-cache

@@ -103,7 +103,7 @@ def test_shipped_gpu_config_asks_for_graphs():
     ("input: missing.jsonl\noutput: o.jsonl\n", "job.yaml:1: input: {tmp}/missing.jsonl: file not found"),
     ("input: in.jsonl\noutput: in.jsonl\n", "job.yaml:2: output: is the same file as input ({tmp}/in.jsonl)"),
     ("input: in.jsonl\ninput_format: parquet\noutput: o.jsonl\n",
-     "job.yaml:2: input_format: must be one of jsonl, csv, text, got 'parquet'"),
+     "job.yaml:2: input_format: must be one of jsonl, csv, text, openai, got 'parquet'"),
     ("input: in.jsonl\noutput: o.jsonl\nskip_tokenizer_init: true\n",
      "job.yaml:3: skip_tokenizer_init: a job reads text prompts, so it needs the tokenizer"),
 ])
@@ -117,7 +117,7 @@ def test_unknown_input_extension_and_bad_csv_header(tmp_path):
     path = write_job(tmp_path, "input: in.dat\noutput: o.jsonl\n", input_name="in.dat")
     assert error_of(path).endswith(
         "job.yaml:1: input: cannot tell the format of 'in.dat' from its extension; "
-        "set input_format to one of jsonl, csv, text")
+        "set input_format to one of jsonl, csv, text, openai")
     path = write_job(tmp_path, "input: in.csv\noutput: o.jsonl\n", input_name="in.csv", input_text="id,promt\n1,hi\n")
     assert error_of(path) == (
         f"{tmp_path}/job.yaml:1: input: {tmp_path}/in.csv:1: unknown CSV column 'promt'; did you mean 'prompt'?")

@@ -37,6 +37,19 @@ class Communicator:
         return self.state.world_size
 
     @property
+    def group(self):
+        """The paddle group of this tensor-parallel group (None: the whole launch is one group)."""
+        return self.state.group
+
+    def broadcast_object(self, obj):
+        """The driver's `obj` on every rank of the group (the driver passes it, the others anything)."""
+        import paddle.distributed as dist
+
+        box = [obj if self.state.is_driver else None]
+        dist.broadcast_object_list(box, src=self.state.driver_rank, group=self.group)
+        return box[0]
+
+    @property
     def backend(self) -> str:
         return f"custom+{self.state.backend}" if self.custom is not None else self.state.backend
 
@@ -89,9 +102,10 @@ class Communicator:
 
         if self.device == "gpu":
             # On the compute stream: no cross-stream events, so a CUDA graph can capture it.
-            dist.stream.all_reduce(x, use_calc_stream=True)
+            group = {"group": self.group} if self.group is not None else {}
+            dist.stream.all_reduce(x, use_calc_stream=True, **group)
         else:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_axis(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -99,13 +113,13 @@ class Communicator:
         import paddle.distributed as dist
 
         parts: list[paddle.Tensor] = []
-        dist.all_gather(parts, x)
+        dist.all_gather(parts, x, group=self.group)
         return paddle.concat(parts, axis=-1)
 
     def broadcast_from_driver(self, x: paddle.Tensor) -> paddle.Tensor:
         import paddle.distributed as dist
 
-        dist.broadcast(x, src=0)
+        dist.broadcast(x, src=self.state.driver_rank, group=self.group)
         return x
 
     def reduce_int(self, value: int, op: str) -> int:
@@ -113,7 +127,7 @@ class Communicator:
         import paddle.distributed as dist
 
         t = paddle.to_tensor([value], dtype="int64")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
     def agree(self, flag: bool) -> bool:
@@ -125,7 +139,7 @@ class Communicator:
         import paddle.distributed as dist
 
         out: list = []
-        dist.all_gather_object(out, blob)
+        dist.all_gather_object(out, blob, group=self.group)
         return list(out)
 
 

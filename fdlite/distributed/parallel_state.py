@@ -34,13 +34,20 @@ logger = logging.getLogger("fdlite")
 
 @dataclass(frozen=True)
 class ParallelState:
-    rank: int
-    world_size: int
+    """This process's place in the launch: its rank inside its tensor-parallel group, and which
+    data-parallel group (model copy) it belongs to."""
+
+    rank: int  # inside the tensor-parallel group
+    world_size: int  # tensor-parallel group size
     backend: str  # "none" (one process), "gloo" (CPU) or "nccl" (GPU)
+    dp_rank: int = 0  # which data-parallel group
+    dp_size: int = 1
+    group: object | None = None  # the paddle group of the tensor-parallel ranks; None: the whole launch
+    driver_rank: int = 0  # launch-wide rank of this group's rank 0 (collectives name ranks launch-wide)
 
     @property
     def is_driver(self) -> bool:
-        """Rank 0: the one that samples, returns outputs and writes files."""
+        """Rank 0 of its tensor-parallel group: the one that samples, returns outputs and writes files."""
         return self.rank == 0
 
 
@@ -53,26 +60,39 @@ def launched_rank() -> int:
     return int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
 
 
-def launch_hint(tp: int) -> str:
-    return (f"start it with `python -m paddle.distributed.launch --gpus {','.join(map(str, range(tp)))} script.py` "
-            f"(on CPU: `--nproc_per_node {tp}`)")
+def launch_hint(n: int) -> str:
+    return (f"start it with `python -m paddle.distributed.launch --gpus {','.join(map(str, range(n)))} script.py` "
+            f"(on CPU: `--nproc_per_node {n}`)")
 
 
-def init_tensor_parallel(tensor_parallel_size: int, device: str) -> ParallelState:
-    """Check the launch matches `tensor_parallel_size` and join the collective group (once per process)."""
+def group_of(rank: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """(data-parallel group, rank inside its tensor-parallel group) of a launch-wide rank.
+
+    Consecutive ranks form a tensor-parallel group (ranks 0..tp-1 are group 0), so with one node per
+    group the all-reduces of the model stay inside a node.
+    """
+    return rank // tensor_parallel_size, rank % tensor_parallel_size
+
+
+def init_tensor_parallel(tensor_parallel_size: int, device: str, data_parallel_size: int = 1) -> ParallelState:
+    """Check the launch matches `data_parallel_size * tensor_parallel_size` and join the collective groups
+    (once per process): the whole launch, and with both sizes above 1 this rank's tensor-parallel group."""
     world = launched_world_size()
-    if tensor_parallel_size == 1 and world == 1:
+    tp, dp = tensor_parallel_size, data_parallel_size
+    if tp * dp == 1 and world == 1:
         return ParallelState(0, 1, "none")
+    sizes = f"tensor_parallel_size={tp}" + (f" * data_parallel_size={dp}" if dp > 1 else "")
     if world == 1:
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} processes, one per GPU; "
-            f"this one was not started by Paddle's launcher: {launch_hint(tensor_parallel_size)}"
+            f"{sizes} needs {tp * dp} processes, one per GPU; this one was not started by Paddle's launcher: "
+            f"{launch_hint(tp * dp)}"
         )
-    if world != tensor_parallel_size:
+    if world != tp * dp:
+        hint = (f"pass tensor_parallel_size={world} (or launch {tp} processes)" if dp == 1 else
+                f"launch {tp * dp} processes")
         raise ValueError(
-            f"paddle.distributed.launch started {world} processes but tensor_parallel_size={tensor_parallel_size}; "
-            f"fdlite splits the model across all launched processes, so pass tensor_parallel_size={world} "
-            f"(or launch {tensor_parallel_size} processes)"
+            f"paddle.distributed.launch started {world} processes but {sizes} needs {tp * dp}; fdlite uses all "
+            f"launched processes, so {hint}"
         )
     import paddle.distributed as dist
 
@@ -85,5 +105,15 @@ def init_tensor_parallel(tensor_parallel_size: int, device: str) -> ParallelStat
         raise RuntimeError(f"process group is rank {rank} of {size}, but the launcher said rank "
                            f"{launched_rank()} of {world}")
     backend = "gloo" if device == "cpu" else "nccl"
-    logger.info("tensor parallel: rank %d of %d (%s)", rank, size, backend)
-    return ParallelState(rank, size, backend)
+    dp_rank, tp_rank = group_of(rank, tp)
+    group = None
+    if dp > 1 and tp > 1:
+        # Every rank must create every group, in the same order, even the ones it is not in. (On the
+        # loaded 2-core test machine, gloo's connect inside this call is sometimes refused: see README.)
+        groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(dp)]
+        group = groups[dp_rank]
+    if tp > 1:
+        logger.info("tensor parallel: rank %d of %d (%s)", tp_rank, tp, backend)
+    if dp > 1:
+        logger.info("data parallel: group %d of %d", dp_rank, dp)
+    return ParallelState(tp_rank, tp, backend if tp > 1 else "none", dp_rank, dp, group, dp_rank * tp)

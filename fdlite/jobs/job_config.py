@@ -18,6 +18,7 @@ import yaml
 
 from fdlite.config import EngineConfig, unknown_key_error
 from fdlite.jobs.job_input import FORMATS, InputFileError, check_input, detect_format, merge_sampling
+from fdlite.jobs.ranks import world_size
 from fdlite.model_source import is_model_id
 from fdlite.jobs.options import ENGINE_OPTIONS, SAMPLING_OPTIONS, check_value
 from fdlite.sampling_params import ALIASES, SamplingParams
@@ -26,7 +27,8 @@ from fdlite.sampling_params import ALIASES, SamplingParams
 JOB_KEYS: dict[str, str] = {
     "input": "Prompts file: JSONL (one {\"id\", \"prompt\" or \"messages\", \"sampling\"} object a line), "
              "CSV (columns id, prompt, sampling) or plain text (one prompt a line).",
-    "input_format": "jsonl, csv or text; default: from the input file's extension.",
+    "input_format": "jsonl, csv, text or openai (OpenAI batch file: custom_id, method, url, body a line); default: "
+                    "from the input file's extension, and openai for a JSON-lines file of batch requests.",
     "output": "Results file (JSONL), appended as requests finish; a rerun skips ids already in it (resume).",
     "errors": "Per-line problems (JSONL); default: the output path with .errors.jsonl.",
     "summary": "Summary JSON written at the end; default: the output path with .summary.json.",
@@ -50,7 +52,7 @@ class JobConfigError(ValueError):
 class JobConfig:
     """A validated job. Paths are absolute; `engine_options` is what `LLM(**engine_options)` gets."""
 
-    source: str  # the job file as given
+    source: str | None  # the job file as given; None for `fdlite run-batch` (no job file)
     engine_options: dict[str, Any]  # the LLM options the job sets (YAML and command line)
     engine: EngineConfig  # the same, with every default filled in
     sampling: SamplingParams
@@ -164,7 +166,16 @@ def load_job(path: str, overrides: Overrides | None = None) -> JobConfig:
         data = {}
     if not isinstance(data, dict):
         raise where.error(None, f"the job file must be a mapping of options, got a {type(data).__name__}")
-    base_dir = os.path.dirname(os.path.abspath(path))
+    return _build_job(path, data, where, os.path.dirname(os.path.abspath(path)), overrides)
+
+
+def batch_job(overrides: Overrides) -> JobConfig:
+    """The job of `fdlite run-batch -i IN -o OUT [options]`: an OpenAI batch file, everything else from flags."""
+    overrides.job.setdefault("input_format", "openai")
+    return _build_job(None, {}, _Where(None, {}, overrides.flags), os.getcwd(), overrides)
+
+
+def _build_job(path: str | None, data: dict, where: _Where, base_dir: str, overrides: Overrides) -> JobConfig:
 
     known = [s.name for s in ENGINE_OPTIONS] + list(JOB_KEYS)
     engine: dict[str, Any] = {}
@@ -195,6 +206,13 @@ def load_job(path: str, overrides: Overrides | None = None) -> JobConfig:
         engine_config = EngineConfig.from_kwargs(**engine)
     except (ValueError, TypeError) as e:
         raise where.blame(str(e), list(engine)) from None
+    procs = engine_config.data_parallel_size * engine_config.tensor_parallel_size
+    if engine_config.data_parallel_size > 1 and world_size() != procs:
+        raise where.error("data_parallel_size", f"{engine_config.data_parallel_size} x tensor_parallel_size "
+                          f"{engine_config.tensor_parallel_size} needs {procs} processes, but {world_size()} "
+                          f"{'was' if world_size() == 1 else 'were'} started: run the job under "
+                          f"`python -m paddle.distributed.launch --nproc_per_node {procs} fdlite run ...` "
+                          f"(GPUs: --gpus 0,...,{procs - 1})")
     if engine_config.skip_tokenizer_init:
         raise where.error("skip_tokenizer_init", "a job reads text prompts, so it needs the tokenizer")
 
@@ -221,8 +239,10 @@ def load_job(path: str, overrides: Overrides | None = None) -> JobConfig:
     if fmt is None:
         fmt = detect_format(paths["input"])
         if fmt is None:
-            raise where.error("input", f"cannot tell the format of {os.path.basename(paths['input'])!r} from its "
-                                       f"extension; set input_format to one of {', '.join(FORMATS)}")
+            json_lines = os.path.splitext(paths["input"])[1].lower() in (".jsonl", ".ndjson", ".json")
+            why = "its lines (OpenAI batch requests mixed with other objects)" if json_lines else "its extension"
+            raise where.error("input", f"cannot tell the format of {os.path.basename(paths['input'])!r} from {why}; "
+                                       f"set input_format to one of {', '.join(FORMATS)}")
     elif fmt not in FORMATS:
         raise where.error("input_format", f"must be one of {', '.join(FORMATS)}, got {fmt!r}")
     try:

@@ -1,4 +1,5 @@
-"""Read a job's prompts file (JSONL, CSV or plain text) into requests, one per line, or per-line errors.
+"""Read a job's prompts file (JSONL, CSV, plain text or an OpenAI batch file) into requests, one per line,
+or per-line errors.
 
 A nightly job over a million lines must not die on line 40,312: every problem a single line can have
 (bad JSON, no prompt, an unknown key, a duplicate id, an invalid sampling override) becomes a `LineError`
@@ -9,6 +10,7 @@ a CSV header without a `prompt` column) raises `InputFileError`, before any mode
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import sys
@@ -19,7 +21,7 @@ from typing import Any
 from fdlite.config import unknown_key_error
 from fdlite.sampling_params import ALIASES, SamplingParams
 
-FORMATS = ("jsonl", "csv", "text")
+FORMATS = ("jsonl", "csv", "text", "openai")
 LINE_KEYS = ("id", "prompt", "messages", "sampling")  # keys of a JSONL object, columns of a CSV file
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".txt": "text"}
 
@@ -42,6 +44,8 @@ class JobRequest:
     prompt: str | None
     messages: list[dict] | None
     sampling: SamplingParams  # the job's defaults with this line's overrides applied
+    url: str | None = None  # OpenAI batch files: the endpoint ("/v1/chat/completions" or "/v1/completions")
+    options: dict[str, Any] | None = None  # OpenAI batch files: what shapes the response (model, logprobs kind)
 
     @property
     def key(self) -> str:
@@ -55,6 +59,10 @@ class LineError:
     line: int
     id: str | int | None  # None when the line has no readable id
     reason: str
+    # OpenAI batch files: the error object's code and the body field at fault; `param` set means the
+    # request body was at fault (an HTTP 400 response), unset means the batch line itself was.
+    code: str | None = None
+    param: str | None = None
 
 
 def id_key(request_id: str | int) -> str:
@@ -63,8 +71,19 @@ def id_key(request_id: str | int) -> str:
 
 
 def detect_format(path: str) -> str | None:
-    """jsonl / csv / text from the file extension, or None when the extension says nothing."""
-    return _EXTENSIONS.get(os.path.splitext(path)[1].lower())
+    """jsonl / csv / text from the file extension, or None when the extension says nothing.
+
+    A JSON-lines file whose first lines are all OpenAI batch requests (`custom_id` and `body`) is "openai";
+    one that mixes those with other objects is ambiguous: None.
+    """
+    fmt = _EXTENSIONS.get(os.path.splitext(path)[1].lower())
+    if fmt != "jsonl" or not os.path.isfile(path):
+        return fmt
+    kinds = set()
+    for _, row in itertools.islice(_jsonl_rows(path), 100):
+        if isinstance(row, dict):
+            kinds.add("openai" if "custom_id" in row and "body" in row else "jsonl")
+    return kinds.pop() if len(kinds) == 1 else (None if kinds else "jsonl")
 
 
 def check_input(path: str, fmt: str) -> None:
@@ -78,6 +97,11 @@ def check_input(path: str, fmt: str) -> None:
 
 def read_requests(path: str, fmt: str, defaults: SamplingParams) -> Iterator[JobRequest | LineError]:
     """Yield a `JobRequest` or a `LineError` for every non-blank record of `path`, in file order."""
+    if fmt == "openai":
+        from fdlite.jobs.openai_batch import read_batch_requests
+
+        yield from read_batch_requests(_jsonl_rows(path), defaults)
+        return
     rows = {"jsonl": _jsonl_rows, "csv": _csv_rows, "text": _text_rows}[fmt](path)
     base = defaults.to_dict()
     first_line: dict[str, int] = {}  # id key -> line that used it first

@@ -36,24 +36,28 @@ class ResumeState:
     lines: int = 0  # complete result lines kept
     torn_bytes: int = 0  # bytes of a torn last line (cut away when repairing)
     duplicates: list[str] = field(default_factory=list)  # ids seen twice (a sign the file was edited)
+    good_bytes: int = 0  # length of the kept, whole lines (where a reader following the file goes on)
+    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)  # id key -> (start, length) of its first line
 
 
-def _parse_result(raw: bytes) -> tuple[dict | None, str]:
+def _parse_result(raw: bytes, key: str) -> tuple[dict | None, str]:
     if not raw.endswith(b"\n"):
         return None, "no line end"
     try:
         rec = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None, "not valid JSON"
-    if not isinstance(rec, dict) or "id" not in rec:
-        return None, "not a result object with an 'id'"
+    if not isinstance(rec, dict) or key not in rec:
+        return None, f"not a result object with an '{key}'"
     return rec, ""
 
 
-def scan_output(path: str, repair: bool = True) -> ResumeState:
+def scan_output(path: str, repair: bool = True, key: str = "id", keep=None) -> ResumeState:
     """Collect the ids `path` already holds; with `repair`, truncate a torn last line away.
 
-    A missing file is an empty state. Raises `OutputFileError` for a bad line that is not the last.
+    `key` is the field holding the id ("custom_id" in OpenAI batch output); lines for which `keep(record)`
+    is false (OpenAI error lines, rewritten by every merge) are valid but not results. A missing file is
+    an empty state. Raises `OutputFileError` for a bad line that is not the last.
     """
     state = ResumeState()
     if not os.path.exists(path):
@@ -69,18 +73,22 @@ def scan_output(path: str, repair: bool = True) -> ResumeState:
                     f"{path}:{bad[0]}: {bad[1]}; a crash can only tear the last line, so the file was changed "
                     "by something else: fix or delete that line, then rerun"
                 )
-            rec, why = _parse_result(raw)
+            rec, why = _parse_result(raw, key)
             if rec is None:
                 bad = (line_no, why)
                 continue
-            key = id_key(rec["id"])
-            if key in state.done:
-                state.duplicates.append(key)
-            state.done.add(key)
-            state.lines += 1
+            if keep is None or keep(rec):
+                k = id_key(rec[key])
+                if k in state.done:
+                    state.duplicates.append(k)
+                else:
+                    state.offsets[k] = (good_end, len(raw))
+                state.done.add(k)
+                state.lines += 1
             good_end += len(raw)
     size = os.path.getsize(path)
     state.torn_bytes = size - good_end
+    state.good_bytes = good_end
     if repair and state.torn_bytes:
         with open(path, "r+b") as f:
             f.truncate(good_end)

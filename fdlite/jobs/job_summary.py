@@ -51,7 +51,16 @@ class JobStats:
         if ttft_s is not None:
             self.ttfts_s.append(ttft_s)
 
-    def summary(self, *, job: str, output: str, errors_file: str, startup_s: float, wall_time_s: float,
+    def absorb(self, other: dict[str, Any]) -> None:
+        """Add another group's numbers (a `dataclasses.asdict` of its stats) to these (data-parallel jobs)."""
+        for name in ("resumed", "completed", "errors", "input_tokens", "output_tokens"):
+            setattr(self, name, getattr(self, name) + other[name])
+        self.latencies_s += other["latencies_s"]
+        self.ttfts_s += other["ttfts_s"]
+        for k, v in other["engine"].items():
+            self.engine[k] = self.engine.get(k, 0) + v
+
+    def summary(self, *, job: str | None, output: str, errors_file: str, startup_s: float, wall_time_s: float,
                 exit_code: int) -> dict[str, Any]:
         """The summary as a JSON-ready dict."""
         def pcts(xs: list[float]) -> dict[str, float | None]:

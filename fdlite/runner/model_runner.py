@@ -79,7 +79,7 @@ class ModelRunner:
             raise ValueError("tensor_parallel_size > 1 is not available on fdlite's GPU path yet (the logits' "
                              "vocabulary all-gather has no fdlite kernel); use tensor_parallel_size=1 on GPU")
         TPPartition.of(model_config, 0, tp_size)  # a model that cannot be split fails before any process waits
-        self.parallel = init_tensor_parallel(tp_size, self.device)
+        self.parallel = init_tensor_parallel(tp_size, self.device, config.data_parallel_size)
         self.comm = Communicator(self.parallel, self.device, config.enable_custom_all_reduce)
         set_communicator(self.comm)
         self.tp = TPPartition.of(model_config, self.parallel.rank, tp_size)
