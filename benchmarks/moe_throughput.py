@@ -98,28 +98,20 @@ def run(path: str, prompts, max_tokens: int, max_num_seqs: int) -> dict:
     # An op's implementation was bound when it was built (CustomOp): wrap each instance's.
     ops = [op for op in llm.runner.model.sublayers() if isinstance(op, moe.FusedMoE)]
     inside = {"moe": False, "route": False}
+
+    def flagged(fn, key):  # fn, with inside[key] True while it runs
+        def run(x):
+            inside[key] = True
+            try:
+                return fn(x)
+            finally:
+                inside[key] = False
+        return run
+
     for op in ops:
-        route = op.route
-
-        def routing(x, route=route):  # the router's matmul is routing, not expert work
-            inside["route"] = True
-            try:
-                return route(x)
-            finally:
-                inside["route"] = False
-
-        op.route = routing
+        op.route = flagged(op.route, "route")  # the router's matmul is routing, not expert work
         timers.wrap(op, "route", "MoE: routing")
-        inner = op._forward_method
-
-        def in_moe(x, inner=inner):
-            inside["moe"] = True
-            try:
-                return inner(x)
-            finally:
-                inside["moe"] = False
-
-        op._forward_method = in_moe
+        op._forward_method = flagged(op._forward_method, "moe")
         timers.wrap(op, "_forward_method", "MoE layer")
     real_matmul = paddle.matmul
 
