@@ -14,7 +14,8 @@ Environment:
   `reference` (always the Paddle-op reference), `cpp` (the C++ op, and an error when it cannot be built).
 - FDLITE_CPU_OPS_CACHE: cache folder (default ~/.cache/fdlite/ops_cpu; a temp folder if that is read-only).
 - CXX: the compiler (default g++, else c++).
-- OMP_NUM_THREADS: the op's threads (OpenMP, libgomp, which Paddle itself links).
+- OMP_NUM_THREADS: the op's threads (OpenMP: Intel's libiomp5 where Paddle ships it, the pool its MKL
+  uses, else libgomp). Paddle sets it to 1 at import when it is unset.
 """
 
 from __future__ import annotations
@@ -103,17 +104,21 @@ def build(force: bool = False) -> str:
     """Path of the compiled library (cached; compiled on first use, ~6 s)."""
     cxx = _compiler()
     include, base, version = _paddle_paths()
-    flags = compile_flags()
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((flags, version, _compiler_version(cxx))).encode()).hexdigest()[:20]
+    libs = os.path.join(os.path.dirname(base), "libs")
+    cmd = [cxx, *compile_flags(), f"-I{include}", f"-I{os.path.join(include, 'third_party')}", str(SOURCE),
+           f"-L{base}", "-l:libpaddle.so", f"-Wl,-rpath,{base}", f"-Wl,-rpath,{libs}"]
+    if os.path.isfile(os.path.join(libs, "libphi.so")):  # Paddle 2.6 keeps the custom-op API in libphi
+        cmd += [f"-L{libs}", "-l:libphi.so"]
+    if os.path.isfile(os.path.join(libs, "libiomp5.so")):
+        # Paddle's MKL runs on Intel's OpenMP, whose workers spin between calls: a second (GNU) pool
+        # would fight them for the cores. Named before the -lgomp that -fopenmp appends, libiomp5
+        # provides the GOMP_* entry points, so the op's parallel loops run on MKL's threads.
+        cmd += [f"-L{libs}", "-l:libiomp5.so"]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((cmd, version, _compiler_version(cxx))).encode()).hexdigest()[:20]
     dest_dir = cache_root() / key
     dest = dest_dir / LIB_NAME
     if dest.is_file() and not force:
         return str(dest)
-    libs = os.path.join(os.path.dirname(base), "libs")
-    cmd = [cxx, *flags, f"-I{include}", f"-I{os.path.join(include, 'third_party')}", str(SOURCE),
-           f"-L{base}", "-l:libpaddle.so", f"-Wl,-rpath,{base}", f"-Wl,-rpath,{libs}"]
-    if os.path.isfile(os.path.join(libs, "libphi.so")):  # Paddle 2.6 keeps the custom-op API in libphi
-        cmd += [f"-L{libs}", "-l:libphi.so"]
     try:
         dest_dir.mkdir(parents=True, exist_ok=True)
     except OSError:  # a read-only home: build for this machine's temp folder instead

@@ -21,6 +21,7 @@
 // by scale * log2(e), so the softmax needs exp2 only. With AVX2 + FMA (the build adds -mavx2 -mfma only
 // where the CPU has them) the dot products, the exp2 and the P.V update are 8-wide; otherwise plain loops.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -40,6 +41,7 @@
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int64_t kChunkMin = 4;  // fewer items than this: one thread
 
 struct Span {
   int64_t row;     // row of block_tables
@@ -298,27 +300,40 @@ std::vector<paddle::Tensor> PagedAttentionCpu(const paddle::Tensor& q, const pad
   work *= sh.h * sh.d;
   const size_t scratch_size = static_cast<size_t>(sh.g * (sh.bs + 2 * sh.d));
 
+  // Items are handed out by an atomic counter (dynamic balance: prefill tokens differ in context
+  // length) rather than an OpenMP worksharing loop, so only GOMP_parallel and omp_get_max_threads are
+  // needed from the runtime: both exist in Intel's libiomp5 as in libgomp (see cpu_attention.py).
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    std::vector<float> scratch(scratch_size);
+    constexpr int64_t kChunk = 4;
+    for (;;) {
+      const int64_t first = next.fetch_add(kChunk, std::memory_order_relaxed);
+      if (first >= items) break;
+      for (int64_t it = first; it < std::min(items, first + kChunk); ++it) {
+        const int64_t t = it / sh.kvh, head = it % sh.kvh;
+        const Span& sp = spans[t];
+        float* o = op + t * sh.h * sh.d;
+        if (sp.kv_len <= 0) {
+          std::fill(o + head * sh.g * sh.d, o + (head + 1) * sh.g * sh.d, 0.0f);
+          continue;
+        }
+        attend_item(qp + t * sh.h * sh.d, kp, vp, tables + sp.row * sh.width, sp.kv_len, head, sh, qscale,
+                    scratch.data(), o);
+      }
+    }
+  };
 #ifdef _OPENMP
   const int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
-#pragma omp parallel num_threads(nt) if (nt > 1 && items > 1 && work > (1 << 16))
-#endif
-  {
-    std::vector<float> scratch(scratch_size);
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 4)
-#endif
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t t = it / sh.kvh, head = it % sh.kvh;
-      const Span& sp = spans[t];
-      float* o = op + t * sh.h * sh.d;
-      if (sp.kv_len <= 0) {
-        std::fill(o + head * sh.g * sh.d, o + (head + 1) * sh.g * sh.d, 0.0f);
-        continue;
-      }
-      attend_item(qp + t * sh.h * sh.d, kp, vp, tables + sp.row * sh.width, sp.kv_len, head, sh, qscale,
-                  scratch.data(), o);
-    }
+  if (nt > 1 && items > kChunkMin && work > (1 << 16)) {
+#pragma omp parallel num_threads(nt)
+    worker();
+  } else {
+    worker();
   }
+#else
+  worker();
+#endif
   return {out};
 }
 
