@@ -1,5 +1,10 @@
 """Paged attention over a flat batch that mixes decodes and prefills, in plain Paddle ops.
 
+On CPU with float32, `paged_attention` hands the attention itself to the C++ op of
+`ops/cpu_attention.py` (it reads K/V in place through the block tables, no gather copy, one dispatch
+per layer); what follows is the reference it is tested against, and the path for other dtypes, for
+machines that cannot compile it, and for FDLITE_CPU_ATTENTION=reference.
+
 Written by hand because Paddle's fused paged-attention kernels
 (`paddle.incubate.nn.functional.block_multihead_attention`) are GPU-only; this version runs on CPU
 and GPU alike and is the reference the fused path must match. Every step first writes the new
