@@ -160,7 +160,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: ForwardMeta, scale: float) 
     """q [T, h, d], k/v [T, kvh, d] for the flat batch -> attention output [T, h * d]."""
     write_kv(k_cache, meta, k)
     write_kv(v_cache, meta, v)
-    if _use_cpp(q, k_cache):
+    if _memo(meta, "use_cpp", lambda: _use_cpp(q, k_cache)):  # same dtypes in every layer of a step
         if meta.prefills is None:  # graph mode: per-token rows and positions (see token_attention)
             return cpu_attention.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_rows,
                                                  meta.positions, scale, per_token=True)

@@ -17,7 +17,7 @@
 //
 // Work item = (token, KV head): the query heads sharing that KV head are done together, so each K/V
 // row is pulled into cache once for all of them (GQA). Items run in parallel on OpenMP threads
-// (OMP_NUM_THREADS, or the num_threads attribute when > 0). Scores are kept in base 2: q is pre-scaled
+// (OMP_NUM_THREADS, or the num_threads attribute when > 0), handed out by an atomic counter. Scores are kept in base 2: q is pre-scaled
 // by scale * log2(e), so the softmax needs exp2 only. With AVX2 + FMA (the build adds -mavx2 -mfma only
 // where the CPU has them) the dot products, the exp2 and the P.V update are 8-wide; otherwise plain loops.
 #include <algorithm>
