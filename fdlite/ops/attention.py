@@ -1,5 +1,10 @@
 """Paged attention over a flat batch that mixes decodes and prefills, in plain Paddle ops.
 
+On CPU with float32, `paged_attention` hands the attention itself to the C++ op of
+`ops/cpu_attention.py` (it reads K/V in place through the block tables, no gather copy, one dispatch
+per layer); what follows is the reference it is tested against, and the path for other dtypes, for
+machines that cannot compile it, and for FDLITE_CPU_ATTENTION=reference.
+
 Written by hand because Paddle's fused paged-attention kernels
 (`paddle.incubate.nn.functional.block_multihead_attention`) are GPU-only; this version runs on CPU
 and GPU alike and is the reference the fused path must match. Every step first writes the new
@@ -26,6 +31,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from fdlite.ops import cpu_attention
 from fdlite.ops.forward_meta import ForwardMeta
 
 
@@ -144,10 +150,27 @@ def prefill_attention(q, k_cache, v_cache, meta: ForwardMeta, span, scale: float
     return out.reshape([h, n, d]).transpose([1, 0, 2])
 
 
+def _use_cpp(q, k_cache) -> bool:
+    """The C++ op serves float32 on CPU; other dtypes (and machines where it cannot be built) use the reference."""
+    return (q.dtype == paddle.float32 and k_cache.dtype == paddle.float32 and k_cache.place.is_cpu_place()
+            and cpu_attention.available())
+
+
 def paged_attention(q, k, v, k_cache, v_cache, meta: ForwardMeta, scale: float) -> paddle.Tensor:
     """q [T, h, d], k/v [T, kvh, d] for the flat batch -> attention output [T, h * d]."""
     write_kv(k_cache, meta, k)
     write_kv(v_cache, meta, v)
+    if _memo(meta, "use_cpp", lambda: _use_cpp(q, k_cache)):  # same dtypes in every layer of a step
+        if meta.prefills is None:  # graph mode: per-token rows and positions (see token_attention)
+            return cpu_attention.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_rows,
+                                                 meta.positions, scale, per_token=True)
+        return cpu_attention.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                             meta.seq_lens_kv, scale, per_token=False)
+    return reference_attention(q, k_cache, v_cache, meta, scale)
+
+
+def reference_attention(q, k_cache, v_cache, meta: ForwardMeta, scale: float) -> paddle.Tensor:
+    """Paddle ops over a cache that already holds this step's K/V: q [T, h, d] -> [T, h * d]."""
     if meta.prefills is None:
         out = token_attention(q, k_cache, v_cache, meta, scale)
         return out.reshape([out.shape[0], -1])

@@ -5,8 +5,8 @@ RMSNorm, rotary embedding, the KV-cache write at `slot_mapping`, and paged atten
 blocks. FastDeploy's GPU attention takes the fused qkv the same way (its `append_attention` applies
 rope and writes the cache itself), because on GPU the steps fuse:
 
-- CPU: Paddle ops, step by step (`ops/attention.py` is the reference attention; it stays opaque to SOT
-  because it reads per-step Python batch structure).
+- CPU: Paddle ops, step by step, then `ops/attention.py` (the C++ CPU attention op for float32, else the
+  Paddle-op reference; it stays opaque to SOT because it reads per-step Python batch structure).
 - GPU: two kernels: `rope_qk_norm_cache` (norm + rope + cache write, q out) and `paged_attention`
   (decode rows with split-KV, prefill and chunked rows with query tiles, all from tensors, so one
   captured graph serves any batch of its shape).
@@ -17,6 +17,7 @@ from __future__ import annotations
 import paddle
 
 from fdlite.graph.graph_break import opaque_to_sot
+from fdlite.ops import cpu_attention
 from fdlite.ops import gpu as gpu_ops
 from fdlite.ops.attention import paged_attention as _paged_attention
 from fdlite.ops.custom_op import CustomOp
@@ -38,6 +39,8 @@ class Attention(CustomOp):
         self.rotary = rotary
         # A tuple: the norms' weights belong to the model's attention layer (checkpoint names), not to this op.
         self._qk_norm = (q_norm, k_norm) if q_norm is not None else None
+        if self._forward_method == self.forward_cpu:
+            cpu_attention.load()  # build (first use on a machine) and log the CPU attention path at model build
 
     def forward_cpu(self, qkv: paddle.Tensor, positions: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
