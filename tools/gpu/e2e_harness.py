@@ -75,7 +75,7 @@ def run(name, fn):
 # Shapes the GPU kernels take (head_dim 64/128), small enough for fast references: GQA, every family's switch.
 GPU_BASE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-FAMILY_OVERRIDES = {"qwen2": {}, "qwen3": dict(head_dim=128), "llama": {}}
+FAMILY_OVERRIDES = {"qwen2": {}, "qwen3": dict(head_dim=128), "llama": {}, "ernie45": dict(head_dim=64)}
 
 
 def small_model(family: str) -> str:
@@ -83,7 +83,7 @@ def small_model(family: str) -> str:
 
     path = os.path.join(ARGS.models, family)
     if not os.path.isfile(os.path.join(path, "config.json")):
-        write_random_model(path, family, seed=1, **GPU_BASE, **FAMILY_OVERRIDES[family])
+        write_random_model(path, family, seed=1, **{**GPU_BASE, **FAMILY_OVERRIDES[family]})
     return path
 
 
@@ -182,7 +182,7 @@ def parity_case(family: str) -> dict:
 
     path = small_model(family)
     max_new = 16
-    prompts = mixed_prompts(16 if ARGS.quick else 64, seed={"qwen2": 1, "qwen3": 2, "llama": 3}[family],
+    prompts = mixed_prompts(16 if ARGS.quick else 64, seed={"qwen2": 1, "qwen3": 2, "llama": 3, "ernie45": 4}[family],
                             vocab=1024, max_len=600)
     ref, gaps = hf_greedy(path, prompts, max_new, "float32")
     # 16 at a time out of 64; a 256-token step budget (chunked prefill of the long prompts); 160 blocks of 16
