@@ -101,6 +101,19 @@ struct Shared {
   int i0;
 };
 
+// (value, index) of the warp's maximum, the lowest index among equal values, in every lane.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > bv || (ov == bv && oi < bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+}
+
 // Argmax of row (first index among equal maxima; NaN counts as -inf). Every thread gets it.
 __device__ void row_argmax(const float* row, int V, Shared& sh, float& best_v, int& best_i) {
   float bv = -CUDART_INF_F;
@@ -112,15 +125,7 @@ __device__ void row_argmax(const float* row, int V, Shared& sh, float& best_v, i
       bi = i;
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ov > bv || (ov == bv && oi < bi)) {
-      bv = ov;
-      bi = oi;
-    }
-  }
+  warp_argmax(bv, bi);
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   __syncthreads();
   if (lane == 0) {
@@ -131,15 +136,7 @@ __device__ void row_argmax(const float* row, int V, Shared& sh, float& best_v, i
   if (wid == 0) {
     bv = sh.fv[lane];
     bi = sh.fi[lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
+    warp_argmax(bv, bi);
     if (lane == 0) {
       sh.f0 = bv;
       sh.i0 = bi == 0x7fffffff ? 0 : bi;
