@@ -49,17 +49,6 @@ def write_from_host(dst: paddle.Tensor, values: np.ndarray) -> None:
     gpu_ops.copy_from_host(dst, array)
 
 
-def write_from_host_at(dst: paddle.Tensor, start: int, values: np.ndarray) -> None:
-    """dst[start : start + len(values)] = values for a 1-D dst, without making a slice of dst on the GPU."""
-    array = np.asarray(values, dtype=_NP_DTYPES[str(dst.dtype).replace("paddle.", "")]).reshape(-1)
-    if not platform.is_gpu():
-        write_from_host(dst[start : start + len(array)], array)
-        return
-    from fdlite.ops import gpu as gpu_ops  # noqa: PLC0415
-
-    gpu_ops.copy_from_host_at(dst, start, array)
-
-
 def to_numpy_f32(t: paddle.Tensor) -> np.ndarray:
     """A float tensor's values as float32 numpy, converted on the host (bfloat16 arrives as its uint16 bits)."""
     a = t.numpy()

@@ -35,7 +35,7 @@ class _Buffer:
         if self.host is not None:
             self.host[start : start + len(values)] = values
         else:
-            device_tensors.write_from_host_at(self.tensor, start, values)
+            device_tensors.write_from_host(self.tensor[start : start + len(values)], values)
 
     def view(self, n: int, shape: list[int] | None = None) -> paddle.Tensor:
         if self.host is None:  # GPU: not cached (that a slice is a view there is checked on CPU only)

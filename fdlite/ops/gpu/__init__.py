@@ -184,24 +184,6 @@ def copy_from_host(dst, values: np.ndarray) -> None:
         raise GpuOpsError(f"cudaMemcpyAsync host to device failed: error {rc}")
 
 
-def copy_from_host_at(dst, start: int, values: np.ndarray) -> None:
-    """dst[start : start + len(values)] = values for a 1-D dst: the same single copy as `copy_from_host`,
-    addressed by pointer arithmetic instead of a Paddle slice (a slice is ~10 us of dispatch, and the
-    runner writes up to eight buffers a step)."""
-    a = np.ascontiguousarray(values)
-    if not a.nbytes:
-        return
-    size = dst.element_size()
-    if _checks:
-        _check(dst, "dst")
-        if a.itemsize != size or start < 0 or start + a.size > int(np.prod(dst.shape)):
-            raise GpuOpsError(f"copy_from_host_at: {a.size} x {a.itemsize} B at {start} into a {list(dst.shape)} "
-                              f"{_dtype(dst)} tensor")
-    rc = capi().fdl_memcpy_h2d_async(dst.data_ptr() + start * size, a.ctypes.data, a.nbytes, current_stream_handle())
-    if rc:
-        raise GpuOpsError(f"cudaMemcpyAsync host to device failed: error {rc}")
-
-
 def gather_rows(src, index, offset: int = 0, out=None):
     """out[i] = src[index[i] - offset], zeros where that row is outside src (vocab-parallel shards)."""
     _check(src, "src")
