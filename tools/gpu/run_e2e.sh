@@ -10,20 +10,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/fdl_e2e_out}
-mkdir -p "$OUT"
-KIT=${KIT:-$(pwd)/shared/gpu-paddle}
-export PYTHONUNBUFFERED=1
-[[ -f "$KIT/device-setup.sh" ]] && eval "$(bash "$KIT/device-setup.sh" env)"
-export FDLITE_OPS_CACHE=${FDLITE_OPS_CACHE:-/tmp/fdlite_ops_cache}
+source tools/gpu/device_env.sh
 export GLOG_minloglevel=2
 LOG=$OUT/e2e_log.txt
 filter() { grep -v -E "compute capability|Please NOTE: device|has been registered|^W[0-9]{4} "; }
-{
-  echo "== machine $(date -u +%FT%TZ)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  nvcc --version | tail -1
-  python3 -c "import sys, paddle; print('python', sys.version.split()[0], 'paddle', paddle.__version__)"
-} 2>&1 | filter | tee -a "$LOG"
+machine_header 2>&1 | filter | tee -a "$LOG"
 t0=$SECONDS
 lib=$(python3 fdlite/ops/gpu/build.py 2>>"$LOG") || { echo "ops build failed" | tee -a "$LOG"; tail -30 "$LOG"; exit 1; }
 export FDLITE_GPU_OPS_LIB=$lib

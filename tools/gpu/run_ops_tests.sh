@@ -12,19 +12,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/fdl_ops_out}
-mkdir -p "$OUT"
-KIT=${KIT:-$(pwd)/shared/gpu-paddle}
-export PYTHONUNBUFFERED=1
-if [[ -f "$KIT/device-setup.sh" ]]; then
-  eval "$(bash "$KIT/device-setup.sh" env)"
-fi
-export FDLITE_OPS_CACHE=${FDLITE_OPS_CACHE:-/tmp/fdlite_ops_cache}
-{
-  echo "== machine"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  nvcc --version | tail -1
-  python3 -c "import sys; print('python', sys.version.split()[0])"
-} 2>&1 | tee "$OUT/ops_log.txt"
+source tools/gpu/device_env.sh
+machine_header 2>&1 | grep -v -E "compute capability|Please NOTE: device|has been registered" | tee "$OUT/ops_log.txt"
 t0=$SECONDS
 timeout -k 10 "${LIMIT_S:-480}" python3 tools/gpu/ops_harness.py --out "$OUT" ${HARNESS_ARGS:-} 2>&1 \
   | grep -v -E "compute capability|Please NOTE: device|has been registered" | tee -a "$OUT/ops_log.txt"
