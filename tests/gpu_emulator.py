@@ -46,6 +46,15 @@ def copy_from_host(dst, values):
     _assign(dst, values.reshape(dst.shape))
 
 
+def copy_from_host_many(dst_ptrs, src_ptrs, nbytes):
+    """Raw copies, as the kernel-side call does: the emulated GPU tensors are host memory."""
+    import ctypes
+
+    CALLS["copy_from_host_many"] += 1
+    for d, s_, n in zip(dst_ptrs, src_ptrs, nbytes):
+        ctypes.memmove(d, s_, n)
+
+
 def gather_rows(src, index, offset=0, out=None):
     CALLS["gather_rows"] += 1
     s, idx = src.numpy(), index.numpy().astype(np.int64) - offset
@@ -86,7 +95,7 @@ def silu_and_mul(x):
     return paddle.to_tensor((g / (1 + np.exp(-g)) * u).astype(np.float32))
 
 
-def linear(x, weight, bias=None, trans_w=False, out=None):
+def linear(x, weight, bias=None, trans_w=False, out=None, static_w=False):
     CALLS["linear"] += 1
     w = _np(weight)
     y = _np(x) @ (w.T if trans_w else w)
@@ -147,7 +156,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q
     return paddle.to_tensor(out.reshape(t, h * d).astype(np.float32))
 
 
-def lm_head_logits(hidden, rows, weight, trans_w=False, out=None):
+def lm_head_logits(hidden, rows, weight, trans_w=False, out=None, static_w=False):
     CALLS["lm_head_logits"] += 1
     return linear(gather_rows(hidden, rows), weight, None, trans_w)
 
@@ -165,7 +174,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     return paddle.to_tensor(np.asarray(ids, np.int64))
 
 
-OPS = ("fill_", "copy_", "copy_from_host", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
+OPS = ("fill_", "copy_", "copy_from_host", "copy_from_host_many", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
        "rope_qk_norm_cache", "paged_attention", "lm_head_logits", "argmax", "sample")
 
 

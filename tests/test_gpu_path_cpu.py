@@ -125,15 +125,42 @@ def test_emulated_gpu_path_gives_the_cpu_tokens(model_dirs, family, monkeypatch)
         assert calls[op] > 0, op
 
 
+def test_emulated_gpu_path_stores_linear_weights_out_in_from_either_checkpoint_layout(model_dirs, tmp_path,
+                                                                                     monkeypatch):
+    """The GPU's Linear weights are [out, in] (the decode GEMV reads rows); the loader fills them from a
+    Hugging Face ([out, in]) and a Paddle ([in, out], fused names) checkpoint alike, with the CPU's tokens."""
+    from hf_models import save_paddle_layout
+
+    from fdlite.ops.linear import Linear
+
+    paddle_dir = save_paddle_layout(model_dirs["ernie45"], str(tmp_path / "paddle"), "ernie.")
+    want = LLM(model_dirs["ernie45"], device="cpu", **COMMON).generate(prompts(), GREEDY, use_tqdm=False)
+    cpu_shapes = {n: list(l.weight.shape) for n, l in LLM(model_dirs["qwen2"], device="cpu", **COMMON)
+                  .runner.model.named_sublayers() if isinstance(l, Linear)}
+    _emulate_gpu(monkeypatch)
+    for path in (model_dirs["ernie45"], paddle_dir):
+        llm = LLM(path, **COMMON)
+        got = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], path
+    gpu = {n: l for n, l in LLM(model_dirs["qwen2"], **COMMON).runner.model.named_sublayers() if isinstance(l, Linear)}
+    assert gpu and set(gpu) == set(cpu_shapes)
+    for name, layer in gpu.items():
+        assert layer.weight_out_in and list(layer.weight.shape) == cpu_shapes[name][::-1], name
+
+
 def test_emulated_gpu_graphs_replay_padded_batches(model_dirs, monkeypatch):
     monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
     want = LLM(model_dirs["qwen3"], device="cpu", **COMMON).generate(prompts(), GREEDY, use_tqdm=False)
-    _emulate_gpu(monkeypatch)
+    calls = _emulate_gpu(monkeypatch)
     llm = LLM(model_dirs["qwen3"], use_cudagraph=True, **COMMON)
+    before = calls["copy_from_host_many"], calls["copy_from_host"]
     got = llm.generate(prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert llm.last_generate_stats["cudagraph_replays"] > 0
-    assert llm.last_generate_stats["cudagraph_padded_replays"] > 0
+    stats = llm.last_generate_stats
+    assert stats["cudagraph_replays"] > 0
+    assert stats["cudagraph_padded_replays"] > 0
+    # every step's inputs (eager and graph steps alike) reach the device in one batched copy call
+    assert (calls["copy_from_host_many"] - before[0], calls["copy_from_host"] - before[1]) == (stats["num_steps"], 0)
 
 
 def test_emulated_gpu_sampler_applies_penalties_bans_and_logprobs_on_the_host(model_dirs, monkeypatch):

@@ -12,7 +12,7 @@ from fdlite.ops.linear import Linear
 
 
 class ParallelLMHead(Linear):
-    """This rank's vocabulary columns of the LM head, stored [hidden, vocab_per_rank]."""
+    """This rank's vocabulary slice of the LM head: [hidden, vocab_per_rank] on CPU, transposed on GPU (`Linear`)."""
 
     def __init__(self, hidden: int, dtype: str, partition: TPPartition):
         super().__init__(hidden, partition.vocab_per_rank, False, dtype)

@@ -13,8 +13,9 @@ every expert. ERNIE's q/k rows are reordered within each head (`_deinterleave`, 
 `DecoderSpec.rope_interleaved`).
 
 Checkpoint names map onto the model's parameters one to one, except that q/k/v and gate/up are
-stacked into the fused `qkv_proj` / `gate_up_proj` matrices, and linear weights are transposed
-from Hugging Face's [out, in] to Paddle's [in, out], straight into the parameter (`_fill`: loading
+stacked into the fused `qkv_proj` / `gate_up_proj` matrices, and linear weights land in the device's
+orientation (`Linear.weight_out_in`: [in, out] on CPU, [out, in] on GPU), transposed when the checkpoint's
+differs, straight into the parameter (`_fill`: loading
 time on CPU is mostly memory traffic and first-touch page faults, so every extra copy of 2.4 GB of
 Qwen3-0.6B costs about a second). Shapes in messages are the checkpoint's. Every checkpoint tensor must land
 somewhere and every parameter must be filled: a missing, unexpected or wrongly shaped tensor is an
@@ -172,7 +173,7 @@ def _ignored(name: str) -> bool:
     return name.endswith(_IGNORED_SUFFIXES) or ".mtp" in name or name.startswith("mtp")
 
 
-def detect_layout(files: list[str], model: DecoderForCausalLM, linear_params: set[str]) -> Layout:
+def detect_layout(files: list[str], model: DecoderForCausalLM, linear_params: dict[str, bool]) -> Layout:
     """The checkpoint's layout, from its names and shapes (headers only, no tensor data read).
 
     Names: anything but `model.` / `lm_head.` as the first component is a Paddle-style prefix. Shapes:
@@ -197,7 +198,7 @@ def detect_layout(files: list[str], model: DecoderForCausalLM, linear_params: se
         r = route(canon, model)
         if r.target not in params or (r.target not in linear_params and not r.expert):
             continue
-        hf = _expected(r, params[r.target], True)
+        hf = _expected(r, params[r.target], True, linear_params.get(r.target, False))
         if shape == hf:
             return Layout(False, prefix)
         if shape == hf[::-1]:
@@ -205,10 +206,11 @@ def detect_layout(files: list[str], model: DecoderForCausalLM, linear_params: se
     return Layout(prefix != "model", prefix)
 
 
-def _expected(r: Route, param: paddle.Tensor, linear: bool) -> list[int]:
-    """The checkpoint tensor's full shape in Hugging Face orientation ([out, in] for linear weights)."""
+def _expected(r: Route, param: paddle.Tensor, linear: bool, out_in: bool = False) -> list[int]:
+    """The checkpoint tensor's full shape in Hugging Face orientation ([out, in] for linear weights).
+    out_in: the parameter is stored [out, in] already (`Linear.weight_out_in`)."""
     local = list(param.shape)[1:] if r.expert else list(param.shape)
-    if linear or r.expert:
+    if (linear and not out_in) or r.expert:
         local = local[::-1]
     if r.axis is not None:
         local[r.axis] = r.full
@@ -273,7 +275,7 @@ def _reads(ckpt_name: str, shape: list[int], layout: Layout, model, params, line
             raise ValueError(f"unexpected tensor {ckpt_name!r} in {os.path.basename(file)}: "
                              f"{model.config.architecture} has no such weight")
         linear = r.target in linear_params
-        want = _expected(r, params[r.target], linear)
+        want = _expected(r, params[r.target], linear, linear_params.get(r.target, False))
         ax = r.axis
         if layout.transposed and len(want) == 2 and (linear or r.expert):
             want, ax = want[::-1], None if ax is None else 1 - ax
@@ -298,7 +300,9 @@ def _reads(ckpt_name: str, shape: list[int], layout: Layout, model, params, line
 def load_weights(model: DecoderForCausalLM, path: str) -> None:
     """Fill every parameter of `model` from the checkpoint in `path` (either layout, detected; see `Layout`)."""
     params = dict(model.named_parameters())
-    linear_params = {f"{name}.weight" for name, layer in model.named_sublayers() if isinstance(layer, Linear)}
+    # linear weight -> stored [out, in] (the GPU's orientation) rather than [in, out]
+    linear_params = {f"{name}.weight": layer.weight_out_in for name, layer in model.named_sublayers()
+                     if isinstance(layer, Linear)}
     expert_params = {name for name in params if name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     files = weight_files(path)
     layout = detect_layout(files, model, linear_params)
@@ -334,8 +338,9 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
                     if r.head_dim:
                         tensor = _deinterleave(tensor, 1 if layout.transposed and tensor.ndim == 2 else 0, r.head_dim)
                     if r.piece is None and r.axis is not None and ax is not None:
-                        hf_linear = r.target in linear_params and not layout.transposed
-                        local = list(param.shape)[::-1] if hf_linear else list(param.shape)
+                        # the parameter's shape in the checkpoint's orientation
+                        flip = r.target in linear_params and linear_params[r.target] == layout.transposed
+                        local = list(param.shape)[::-1] if flip else list(param.shape)
                         if tensor.shape[ax] < local[ax]:
                             # The last rank's vocabulary rows: zero padding up to vocab_per_rank.
                             pad = list(tensor.shape)
@@ -360,19 +365,20 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
                                       for e in range(param.shape[0])])
                 fill(param, value)
             else:
-                fill(param, _value(got, name in linear_params, layout))
+                fill(param, _value(got, name in linear_params, layout, linear_params.get(name, False)))
 
 
-def _value(got: dict, linear: bool, layout: Layout) -> paddle.Tensor:
+def _value(got: dict, linear: bool, layout: Layout, out_in: bool = False) -> paddle.Tensor:
     """One parameter's value in its own orientation from its checkpoint pieces: pieces stack along the
-    output axis (axis 0 of [out, in] and of a bias, axis 1 of [in, out]); a Hugging Face linear weight is
-    returned as a transposed view, copied once into the parameter by `_fill`."""
+    output axis (axis 0 of [out, in] and of a bias, axis 1 of [in, out]); a linear weight whose checkpoint
+    orientation differs from the parameter's (`out_in`) is returned as a transposed view, copied once into
+    the parameter by `_fill`."""
     if None in got:
         value = got[None]
     else:
         axis = 1 if layout.transposed and linear else 0
         value = paddle.concat([got[p] for p in sorted(got)], axis=axis)
-    return value.t() if linear and not layout.transposed else value
+    return value.t() if linear and out_in == layout.transposed else value
 
 
 def _fill(param: paddle.Tensor, value: paddle.Tensor) -> None:

@@ -43,9 +43,10 @@ class LogitsProcessor(CustomOp):
     def forward_gpu(self, hidden: paddle.Tensor, logits_indices: paddle.Tensor) -> paddle.Tensor:
         head, embedding = self._layers
         if head is not None:
-            local = gpu_ops.lm_head_logits(hidden, logits_indices, head.weight)
+            local = gpu_ops.lm_head_logits(hidden, logits_indices, head.weight, trans_w=head.weight_out_in,
+                                           static_w=True)
         else:
-            local = gpu_ops.lm_head_logits(hidden, logits_indices, embedding.weight, trans_w=True)
+            local = gpu_ops.lm_head_logits(hidden, logits_indices, embedding.weight, trans_w=True, static_w=True)
         return gather_vocab(local, self.tp)
 
 

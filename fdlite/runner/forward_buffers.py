@@ -3,7 +3,9 @@
 Eager steps, CUDA-graph capture and replay all read these same tensors (views of their first
 rows), so their addresses never change: the invariant a captured graph relies on, with no second
 set of graph buffers to keep in step. On CPU the host writes straight into Paddle's memory through
-zero-copy numpy views; on a GPU each used prefix is copied from the host once per step.
+zero-copy numpy views. On a GPU each buffer has a host staging array: a step fills the staging arrays
+(padding included, no temporaries), then one call copies every used prefix (`_flush`: one ctypes call
+that enqueues all the copies, where a wrapper call per buffer cost ~20 us of Python each at batch 1).
 
 Graph mode (`pad_to`): shapes are fixed by the captured size, padded tokens write the scratch slot
 and read the scratch row of block tables (the row after the last real one), and attention reads
@@ -15,30 +17,46 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from fdlite.ops import device_tensors
+from fdlite.ops import device_tensors, platform
 from fdlite.ops.forward_meta import FlatBatch, ForwardMeta
 
 
 class _Buffer:
-    """One persistent tensor and, on CPU, a numpy view of its memory."""
+    """One persistent tensor and the numpy array the host writes: on CPU a view of the tensor's memory, on
+    GPU a staging array whose written prefix `_flush` copies to the device."""
 
     def __init__(self, size: int, dtype: str, fill: int = 0):
         self.tensor = device_tensors.full([size], fill, dtype)
-        self.host = np.from_dlpack(self.tensor) if self.tensor.place.is_cpu_place() else None
+        self.on_gpu = platform.is_gpu()
+        if self.on_gpu:
+            self.host = np.full(size, fill, dtype)
+            self.device_ptr = self.tensor.data_ptr()
+        else:
+            self.host = np.from_dlpack(self.tensor)
+        self.lo, self.hi = size, 0  # GPU: elements [lo, hi) of `host` not yet copied
         # CPU views by (length, shape): a slice costs ~10 us of Paddle dispatch, and a decode batch keeps
         # its size for many steps. Views share the buffer's memory, so a cached one sees every later write.
         self._views: dict[tuple, paddle.Tensor] = {}
 
-    def write(self, values: np.ndarray, start: int = 0) -> None:
-        if not len(values):
+    def stage(self, values, start: int = 0, count: int | None = None) -> None:
+        """host[start : start + count] = values (an array, or a scalar with `count`); copied by `_flush`."""
+        n = len(values) if count is None else count
+        if not n:
             return
-        if self.host is not None:
-            self.host[start : start + len(values)] = values
-        else:
-            device_tensors.write_from_host(self.tensor[start : start + len(values)], values)
+        self.host[start : start + n] = values
+        self.mark(start, start + n)
+
+    def mark(self, start: int, stop: int) -> None:
+        """host[start:stop] was written directly (`_flush` copies it)."""
+        self.lo, self.hi = min(self.lo, start), max(self.hi, stop)
+
+    def write(self, values: np.ndarray, start: int = 0) -> None:
+        """Stage and copy at once (writes outside a step)."""
+        self.stage(values, start)
+        _flush([self])
 
     def view(self, n: int, shape: list[int] | None = None) -> paddle.Tensor:
-        if self.host is None:  # GPU: not cached (that a slice is a view there is checked on CPU only)
+        if self.on_gpu:  # GPU: not cached (that a slice is a view there is checked on CPU only)
             v = self.tensor[:n]
             return v.reshape(shape) if shape is not None else v
         key = (n, tuple(shape) if shape is not None else None)
@@ -49,6 +67,24 @@ class _Buffer:
             v = self.tensor[:n]
             v = self._views[key] = v.reshape(shape) if shape is not None else v
         return v
+
+
+def _flush(buffers) -> None:
+    """GPU: copy each buffer's staged range to the device, all in one call (CPU: already in place)."""
+    if not buffers or not buffers[0].on_gpu:
+        return
+    dsts, srcs, sizes = [], [], []
+    for b in buffers:
+        if b.hi > b.lo:
+            k = b.host.itemsize
+            dsts.append(b.device_ptr + b.lo * k)
+            srcs.append(b.host.ctypes.data + b.lo * k)
+            sizes.append((b.hi - b.lo) * k)
+            b.lo, b.hi = len(b.host), 0
+    if dsts:
+        from fdlite.ops import gpu as gpu_ops  # noqa: PLC0415
+
+        gpu_ops.copy_from_host_many(dsts, srcs, sizes)
 
 
 class ForwardBuffers:
@@ -63,6 +99,7 @@ class ForwardBuffers:
         self.seq_lens_kv = _Buffer(max_rows, "int32")
         self.cu_seqlens_q = _Buffer(max_rows + 1, "int32")
         self.logits_indices = _Buffer(max_rows, "int64")
+        self._all = [b for b in vars(self).values() if isinstance(b, _Buffer)]
         self.scratch_block: int | None = None
 
     def tensors(self) -> dict[str, paddle.Tensor]:
@@ -77,9 +114,10 @@ class ForwardBuffers:
     def write(self, flat: FlatBatch, caches) -> tuple[paddle.Tensor, paddle.Tensor, ForwardMeta, paddle.Tensor]:
         """Copy `flat` into the buffers; return (input_ids, positions, meta, logits_indices) views of its size."""
         t, b = flat.num_tokens, flat.num_rows
-        self._write_common(flat)
+        self._stage_common(flat)
         width = flat.block_tables.shape[1]
-        self.block_tables.write(flat.block_tables.reshape(-1))
+        self.block_tables.stage(flat.block_tables.reshape(-1))
+        _flush(self._all)
         meta = ForwardMeta(
             slot_mapping=self.slot_mapping.view(t), token_rows=self.token_rows.view(t), positions=self.positions.view(t),
             block_tables=self.block_tables.view(b * width, [b, width]), seq_lens_kv=self.seq_lens_kv.view(b),
@@ -93,35 +131,29 @@ class ForwardBuffers:
 
         Padded tokens are token 0 at position 0 of the scratch row, writing the scratch slot. In a
         prefill graph they belong to no row (rows past the batch have no tokens, KV length 0). Each
-        buffer is padded on the host and written once (on a GPU every write is a copy).
+        buffer is padded in its host array, then all are copied at once (GPU).
         """
         t, b = flat.num_tokens, flat.num_rows
         extra = max(0, size - t)
-        rows = (size if decode else self.max_rows) - b
-        tables = np.empty((b + max(rows, 0), self.max_blocks), np.int32)
-        tables[:b, : flat.block_tables.shape[1]] = flat.block_tables
-        tables[:b, flat.block_tables.shape[1] :] = self.scratch_block
+        rows = max(0, (size if decode else self.max_rows) - b)
+        w = flat.block_tables.shape[1]
+        tables = self.block_tables.host[: (b + rows) * self.max_blocks].reshape(b + rows, self.max_blocks)
+        tables[:b, :w] = flat.block_tables
+        tables[:b, w:] = self.scratch_block
         tables[b:] = self.scratch_block
-        seq_lens, cu = flat.seq_lens_kv, flat.cu_seqlens_q
-        if rows > 0:
-            if decode:  # each padded row is one padded token
-                seq_lens = np.concatenate([seq_lens, np.ones(rows, np.int32)])
-                cu = np.concatenate([cu, np.arange(t + 1, size + 1, dtype=np.int32)])
-            else:
-                seq_lens = np.concatenate([seq_lens, np.zeros(rows, np.int32)])
-                cu = np.concatenate([cu, np.full(rows, t, np.int32)])
-
-        def pad(values: np.ndarray, fill: int) -> np.ndarray:
-            return np.concatenate([values, np.full(extra, fill, values.dtype)]) if extra else values
-
-        self.input_ids.write(pad(flat.input_ids, 0))
-        self.positions.write(pad(flat.positions, 0))
-        self.slot_mapping.write(pad(flat.slot_mapping, self.scratch_block * self.block_size))
-        self.token_rows.write(pad(flat.token_rows, self.max_rows))
-        self.seq_lens_kv.write(seq_lens)
-        self.cu_seqlens_q.write(cu)
-        self.logits_indices.write(flat.logits_indices)
-        self.block_tables.write(tables.reshape(-1))
+        self.block_tables.mark(0, (b + rows) * self.max_blocks)
+        self._stage_common(flat)
+        self.input_ids.stage(0, t, extra)
+        self.positions.stage(0, t, extra)
+        self.slot_mapping.stage(self.scratch_block * self.block_size, t, extra)
+        self.token_rows.stage(self.max_rows, t, extra)
+        if decode:  # each padded row is one padded token
+            self.seq_lens_kv.stage(1, b, rows)
+            self.cu_seqlens_q.stage(np.arange(t + 1, t + 1 + rows, dtype=np.int32), b + 1)
+        else:  # padded rows hold no tokens
+            self.seq_lens_kv.stage(0, b, rows)
+            self.cu_seqlens_q.stage(t, b + 1, rows)
+        _flush(self._all)
 
     def graph_views(self, size: int, decode: bool, caches) -> tuple[paddle.Tensor, paddle.Tensor, ForwardMeta]:
         """Fixed-shape views for a graph of `size` tokens: what capture binds and replay reads."""
@@ -139,11 +171,11 @@ class ForwardBuffers:
     def logits_index_view(self, n: int) -> paddle.Tensor:
         return self.logits_indices.view(n)
 
-    def _write_common(self, flat: FlatBatch) -> None:
-        self.input_ids.write(flat.input_ids)
-        self.positions.write(flat.positions)
-        self.slot_mapping.write(flat.slot_mapping)
-        self.token_rows.write(flat.token_rows)
-        self.seq_lens_kv.write(flat.seq_lens_kv)
-        self.cu_seqlens_q.write(flat.cu_seqlens_q)
-        self.logits_indices.write(flat.logits_indices)
+    def _stage_common(self, flat: FlatBatch) -> None:
+        self.input_ids.stage(flat.input_ids)
+        self.positions.stage(flat.positions)
+        self.slot_mapping.stage(flat.slot_mapping)
+        self.token_rows.stage(flat.token_rows)
+        self.seq_lens_kv.stage(flat.seq_lens_kv)
+        self.cu_seqlens_q.stage(flat.cu_seqlens_q)
+        self.logits_indices.stage(flat.logits_indices)

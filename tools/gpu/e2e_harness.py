@@ -392,12 +392,19 @@ def section_diag():
             capi = gpu_ops.capi()
             stream = gpu_ops.current_stream_handle()
             ev = [capi.fdl_event_create(), capi.fdl_event_create()]
-            for b in (1, 64):
+            for b in ((1, 16, 64, 256) if ARGS.quick else (1, 64)):
                 flat, sb = decode_flat(b, 512, llm.config.block_size, llm.num_blocks, rng)
                 size = gr.size_for(flat)
                 row = {}
                 row["step_graph_ms"] = _median_ms(lambda: runner.sampler(runner.forward(flat, True), sb))
                 row["write_padded_ms"] = _median_ms(lambda: gr._write(flat, size))
+                body = []
+                for _ in range(25):  # GPU time of the replay alone (our events on Paddle's stream)
+                    capi.fdl_event_record(ev[0], stream)
+                    gr.graphs[size].replay()
+                    capi.fdl_event_record(ev[1], stream)
+                    body.append(capi.fdl_event_elapsed_ms(ev[0], ev[1]))
+                row["graph_body_gpu_ms"] = round(float(np.median(body[5:])), 3)
                 row["replay_call_return_ms"] = _median_ms(lambda: gr.graphs[size].replay())
                 paddle.device.synchronize()
                 row["replay_synchronised_ms"] = _median_ms(
@@ -442,6 +449,8 @@ def section_diag():
     run("startup", startup)
     if "llm" in state:
         run("parts_fresh", parts("fresh"))
+        if ARGS.quick:  # the fresh engine only (a switch compared in a second process)
+            return
         run("throughput_run", generate)
         run("parts_after_throughput", parts("after"))
         paddle.device.cuda.empty_cache()

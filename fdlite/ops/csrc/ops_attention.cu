@@ -19,13 +19,16 @@
 // captured graph replays for any batch content):
 //  - per-token ("decode") kernel, grid (T, kvh, splits): tokens of rows with q_len <= 4. One block
 //    holds the h / kvh query heads of one KV head, so each K/V byte is read once per KV head;
-//    long contexts are split across blocks and merged by a reduction kernel.
+//    long contexts are split across blocks, and the last block of each (token, KV head) to finish
+//    merges the splits (a self-resetting counter: no second kernel to launch and wait for).
 //  - tile ("prefill") kernel, grid (ceil(T / tile_tokens), kvh): each block takes a fixed slice of
 //    the flat token axis and works through the row segments inside it (rows with q_len > 4), 64
 //    query rows (token x head) against 32-key chunks, so K/V are read once per tile, not per token.
 // Both stream K/V chunks through shared memory with cp.async double buffering and keep the online
 // softmax in float32 (scores in log2 units, exp2).
 #include <math_constants.h>
+
+#include <mutex>
 
 #include "ops_common.cuh"
 
@@ -48,6 +51,7 @@ struct Args {
   void* out;
   float* part_o;   // [splits, T, h, d]
   float2* part_ml; // [splits, T, h]: running max (log2 units) and sum
+  int* counters;   // [T * kvh] finished splits per (token, KV head); zero between calls
   int64_t T;
   int B, max_blocks, h, kvh, g, bs, splits;
   float scale_log2;
@@ -129,6 +133,8 @@ size_t decode_smem(int g) {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
+  pdl_trigger();
+  pdl_wait();
   using L = Layout<T, D>;
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
   const int64_t t = blockIdx.x;
@@ -259,35 +265,35 @@ __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
         o[1] = from_f<T>(acc[n][1] * inv);
       } else {
         const int64_t base = ((int64_t)s * a.T + t) * a.h + head;
-        float* o = a.part_o + base * D + dp * 2;
-        o[0] = acc[n][0];
-        o[1] = acc[n][1];
+        *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(acc[n][0], acc[n][1]);
         if (dp == 0) a.part_ml[base] = make_float2(m_s[hh], l_s[hh]);
       }
     }
   }
-}
+  if (a.splits == 1) return;
 
-// Merge the splits of the per-token kernel: out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M).
-// One block per (token, head), one thread per dim: wide enough that a batch of one is not one block.
-template <typename T, int D>
-__global__ void __launch_bounds__(D) attn_reduce_kernel(Args a) {
-  __shared__ float w_s[64];
-  __shared__ float inv_l;
-  const int64_t t = blockIdx.x;
-  const int head = blockIdx.y;
-  const int total = a.cu[a.B];
-  if (t < total) {
-    const int r = find_row(a.cu, a.B, t);
-    if (a.cu[r + 1] - a.cu[r] > kDecodeMaxQ) return;  // the tile kernel wrote this token
+  // The last block of (t, j) to get here merges the splits:
+  // out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the counter for the next call.
+  __shared__ int is_last;
+  __threadfence();  // this block's partials are visible before the count says so
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* c = a.counters + t * a.kvh + j;
+    is_last = atomicAdd(c, 1) == a.splits - 1;
+    if (is_last) *c = 0;
   }
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  float* w_s = reinterpret_cast<float*>(kbuf);  // [g][splits] weights (the K/V buffers are free now)
+  for (int hh = warp; hh < g; hh += NT / 32) {
+    const int64_t head = (int64_t)j * g + hh;
     float m[2], l[2];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      const int s = lane + 32 * u;
-      const float2 ml = s < a.splits ? a.part_ml[((int64_t)s * a.T + t) * a.h + head] : make_float2(-CUDART_INF_F, 0.f);
+      const int sp = lane + 32 * u;
+      const float2 ml = sp < a.splits ? __ldcg(a.part_ml + ((int64_t)sp * a.T + t) * a.h + head)
+                                      : make_float2(-CUDART_INF_F, 0.f);
       m[u] = ml.x;
       l[u] = ml.y;
     }
@@ -295,19 +301,34 @@ __global__ void __launch_bounds__(D) attn_reduce_kernel(Args a) {
     float L = 0.f;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
+      const int sp = lane + 32 * u;
       const float w = M == -CUDART_INF_F ? 0.f : exp2f(m[u] - M);  // 0 for empty splits (m = -inf)
-      if (lane + 32 * u < 64) w_s[lane + 32 * u] = w;
+      if (sp < a.splits) w_s[hh * a.splits + sp] = w;
       L += l[u] * w;
     }
     L = warp_sum(L);
-    if (lane == 0) inv_l = L > 0.f ? 1.f / L : 0.f;
+    if (lane == 0) al_s[hh] = L > 0.f ? 1.f / L : 0.f;
   }
   __syncthreads();
-  const int dd = threadIdx.x;
-  float O = 0.f;
-#pragma unroll 4
-  for (int s = 0; s < a.splits; ++s) O += a.part_o[(((int64_t)s * a.T + t) * a.h + head) * D + dd] * w_s[s];
-  static_cast<T*>(a.out)[(t * a.h + head) * D + dd] = from_f<T>(O * inv_l);
+#pragma unroll
+  for (int n = 0; n < NI; ++n) {
+    const int it = threadIdx.x + n * NT;
+    if (it < items) {
+      const int hh = it / (D / 2), dp = it - hh * (D / 2);
+      const int64_t head = (int64_t)j * g + hh;
+      float o0 = 0.f, o1 = 0.f;
+      for (int sp = 0; sp < a.splits; ++sp) {
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(a.part_o + (((int64_t)sp * a.T + t) * a.h + head) * D) + dp);
+        const float w = w_s[hh * a.splits + sp];
+        o0 += v.x * w;
+        o1 += v.y * w;
+      }
+      const float inv = al_s[hh];
+      T* o = static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2;
+      o[0] = from_f<T>(o0 * inv);
+      o[1] = from_f<T>(o1 * inv);
+    }
+  }
 }
 
 // ------------------------------------------------------------------ tile kernel
@@ -474,6 +495,8 @@ __device__ void tile_segment(const Args& a, float* smem, int r, int64_t ts, int6
 
 template <typename T, int D>
 __global__ void __launch_bounds__(NT) attn_tile_kernel(Args a, int tile_tokens) {
+  pdl_trigger();
+  pdl_wait();
   extern __shared__ float4 smem4[];
   const int total = a.cu[a.B];
   const int64_t t_begin = (int64_t)blockIdx.x * tile_tokens;
@@ -485,6 +508,31 @@ __global__ void __launch_bounds__(NT) attn_tile_kernel(Args a, int tile_tokens) 
     if (a.cu[r + 1] - a.cu[r] > kDecodeMaxQ) tile_segment<T, D>(a, reinterpret_cast<float*>(smem4), r, t, seg_end);
     t = seg_end;
   }
+}
+
+// Per-device split counters of the decode kernel: allocated and zeroed by the first call (eager: it
+// allocates), kept zero by the kernel itself (each (token, KV head)'s last block resets its entry).
+constexpr int64_t kMaxCounters = 1 << 16;
+
+int* split_counters(cudaStream_t s) {
+  static std::mutex mu;
+  static int* per_device[16] = {};
+  int dev = 0;
+  FDL_CHECK_CUDA(cudaGetDevice(&dev), "fdl_paged_attention: cudaGetDevice");
+  PD_CHECK(dev >= 0 && dev < 16, "fdl_paged_attention: device index out of range");
+  std::lock_guard<std::mutex> lock(mu);
+  if (per_device[dev] == nullptr) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(s, &st);
+    PD_CHECK(st == cudaStreamCaptureStatusNone,
+             "fdl_paged_attention: the first call on a device must run eagerly (it allocates the split counters)");
+    int* p = nullptr;
+    FDL_CHECK_CUDA(cudaMalloc(&p, kMaxCounters * sizeof(int)), "fdl_paged_attention: counters cudaMalloc");
+    FDL_CHECK_CUDA(cudaMemsetAsync(p, 0, kMaxCounters * sizeof(int), s), "fdl_paged_attention: counters cudaMemset");
+    note_foreign_work();
+    per_device[dev] = p;
+  }
+  return per_device[dev];
 }
 
 template <typename K>
@@ -504,16 +552,12 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
     set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
     init = true;
   }
-  attn_decode_kernel<T, D><<<dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s>>>(a);
-  FDL_CHECK_LAUNCH("fdl_paged_attention (per-token kernel)");
-  if (a.splits > 1) {
-    attn_reduce_kernel<T, D><<<dim3((unsigned)a.T, a.h), D, 0, s>>>(a);
-    FDL_CHECK_LAUNCH("fdl_paged_attention (split reduction)");
-  }
+  launch("attn_decode_kernel", attn_decode_kernel<T, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s, pdl_rows(a.T),
+         a);
   if (tiles) {
     const int tile_tokens = BM / a.g;
-    attn_tile_kernel<T, D><<<dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh), NT, TileLayout<T, D>::bytes, s>>>(
-        a, tile_tokens);
+    launch("attn_tile_kernel", attn_tile_kernel<T, D>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh), NT,
+           TileLayout<T, D>::bytes, s, false, a, tile_tokens);
     FDL_CHECK_LAUNCH("fdl_paged_attention (tile kernel)");
   }
 }
@@ -558,6 +602,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
     splits = (int)std::min<int64_t>({work >= target ? 1 : ceil_div(target, std::max<int64_t>(work, 1)), by_ctx, 32});
   }
   splits = std::max(1, std::min(splits, 64));
+  if (splits > 1 && T * kvh > kMaxCounters) splits = 1;  // (the automatic choice splits only small batches)
   paddle::Tensor out = paddle::empty({T, (int64_t)h * d}, q.dtype(), q.place());
   paddle::Tensor ws;
   Args a{};
@@ -577,6 +622,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   a.bs = bs;
   a.splits = splits;
   a.scale_log2 = scale * 1.4426950408889634f;
+  a.counters = split_counters(stream_of(q));
   if (splits > 1 && T > 0) {
     // [splits, T, h, d] partial outputs, then [splits, T, h] (max, sum) pairs
     ws = paddle::empty({(int64_t)splits * T * h * (d + 2)}, paddle::DataType::FLOAT32, q.place());

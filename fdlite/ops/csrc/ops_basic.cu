@@ -10,6 +10,8 @@ namespace {
 // ---------------------------------------------------------------- fill
 template <typename T>
 __global__ void fill_kernel(T* __restrict__ x, int64_t n, T v) {
+  pdl_trigger();
+  pdl_wait();
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
     x[i] = v;
 }
@@ -19,7 +21,7 @@ void launch_fill(void* x, int64_t n, T v, cudaStream_t s) {
   if (n == 0) return;
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>(ceil_div(n, threads), 4 * 1024);
-  fill_kernel<T><<<(unsigned)blocks, threads, 0, s>>>(static_cast<T*>(x), n, v);
+  launch("fill_kernel", fill_kernel<T>, (unsigned)blocks, threads, 0, s, false, static_cast<T*>(x), n, v);
 }
 
 // ---------------------------------------------------------------- cast (any of 5 dtypes to any)
@@ -55,6 +57,8 @@ struct Conv<int64_t> {
 
 template <typename D, typename S>
 __global__ void cast_kernel(D* __restrict__ dst, const S* __restrict__ src, int64_t n) {
+  pdl_trigger();
+  pdl_wait();
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
     dst[i] = convert<D, S>(src[i]);
 }
@@ -64,7 +68,7 @@ void launch_cast(void* dst, const void* src, int64_t n, cudaStream_t s) {
   if (n == 0) return;
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>(ceil_div(n, threads), 4 * 1024);
-  cast_kernel<D, S><<<(unsigned)blocks, threads, 0, s>>>(static_cast<D*>(dst), static_cast<const S*>(src), n);
+  launch("cast_kernel", cast_kernel<D, S>, (unsigned)blocks, threads, 0, s, false, static_cast<D*>(dst), static_cast<const S*>(src), n);
 }
 
 #define FDL_ANY_SWITCH(dt, T, op, ...)                                              \
@@ -83,6 +87,8 @@ void launch_cast(void* dst, const void* src, int64_t n, cudaStream_t s) {
 template <typename V, typename I>
 __global__ void gather_rows_kernel(V* __restrict__ out, const V* __restrict__ src, const I* __restrict__ idx,
                                    int64_t rows, int64_t row_vecs, int64_t offset) {
+  pdl_trigger();
+  pdl_wait();
   const int64_t i = blockIdx.x;
   const int64_t r = (int64_t)idx[i] - offset;
   V* o = out + i * row_vecs;
@@ -105,7 +111,7 @@ void launch_gather(void* out, const void* src, const void* idx, int64_t m, int64
     using V = decltype(unit);
     const int64_t vecs = row_bytes / (int64_t)sizeof(V);
     const int threads = (int)std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(vecs, 32) * 32));
-    gather_rows_kernel<V, I><<<(unsigned)m, threads, 0, s>>>(static_cast<V*>(out), static_cast<const V*>(src),
+    launch("gather_rows_kernel", gather_rows_kernel<V, I>, (unsigned)m, threads, 0, s, pdl_rows(m), static_cast<V*>(out), static_cast<const V*>(src),
                                                             static_cast<const I*>(idx), rows, vecs, offset);
   };
   const uintptr_t a = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(src) | (uintptr_t)row_bytes;
@@ -192,6 +198,7 @@ std::vector<paddle::Tensor> CopyInplace(paddle::Tensor& dst, const paddle::Tenso
   PD_CHECK(dst.numel() == src.numel() && dst.dtype() == src.dtype(), "fdl_copy_: size or dtype mismatch");
   const size_t bytes = (size_t)dst.numel() * phi::SizeOf(dst.dtype());
   if (bytes == 0) return {};
+  note_foreign_work();
   FDL_CHECK_CUDA(cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDefault, stream_of(dst)), "fdl_copy_");
   return {};
 }

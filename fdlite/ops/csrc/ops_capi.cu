@@ -7,7 +7,7 @@
 
 #define FDL_API extern "C" __attribute__((visibility("default")))
 
-FDL_API int fdl_ops_abi_version(void) { return 2; }
+FDL_API int fdl_ops_abi_version(void) { return 3; }
 
 FDL_API void* fdl_event_create(void) {
   cudaEvent_t e = nullptr;
@@ -36,4 +36,15 @@ FDL_API int fdl_memcpy_d2h(void* dst, const void* src, size_t bytes) {
 // pageable memory the runtime stages the source before returning, so the caller may reuse it at once.
 FDL_API int fdl_memcpy_h2d_async(void* dst, const void* src, size_t bytes, void* stream) {
   return (int)cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, (cudaStream_t)stream);
+}
+
+// n host -> device copies in one call: t holds n destinations, then n sources, then n byte counts (the
+// runner's step inputs: one ctypes call for all its buffers). Returns the first error, 0 if none.
+FDL_API int fdl_memcpy_h2d_many(int n, const uint64_t* t, void* stream) {
+  for (int i = 0; i < n; ++i) {
+    const cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(t[i]), reinterpret_cast<const void*>(t[n + i]),
+                                          (size_t)t[2 * n + i], cudaMemcpyHostToDevice, (cudaStream_t)stream);
+    if (e != cudaSuccess) return (int)e;
+  }
+  return 0;
 }

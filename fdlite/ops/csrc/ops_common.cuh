@@ -14,6 +14,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cstdlib>
+#include <utility>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -79,6 +81,75 @@ inline int num_sms() {
     default:                                                                        \
       PD_THROW(op, ": unsupported dtype (float32, float16, bfloat16)");             \
   }
+
+// ---------------------------------------------------------------- programmatic dependent launch
+// Hopper's PDL lets a kernel's blocks start while the kernel before it in the stream is still running:
+// each of our kernels signals `pdl_trigger()` on entry (its dependents may be scheduled) and calls
+// `pdl_wait()` (griddepcontrol.wait: every earlier kernel has finished and its writes are visible)
+// before it touches memory another kernel writes. So the launch and the ramp-up of kernel i + 1 hide
+// behind kernel i, and the decode GEMV streams its weights before it waits (ops_linear.cu). Inside a
+// CUDA graph the dependencies become programmatic edges. Without the launch attribute, or before sm_90,
+// both calls do nothing and launches serialize as usual (FDLITE_PDL=0 turns the attribute off).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// FDLITE_PDL: 0 = never; 1 = every launch that allows it; unset/2 = only when the previous launch on this
+// thread was one of ours too (after cuBLAS or a copy, a normal launch: see `note_foreign_work`).
+inline int pdl_mode() {
+  static const int mode = [] {
+    const char* env = std::getenv("FDLITE_PDL");
+    const int m = env == nullptr || env[0] == '\0' ? 2 : std::atoi(env);
+    int dev = 0, major = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    return major >= 9 ? m : 0;
+  }();
+  return mode;
+}
+
+inline bool& last_launch_ours() {
+  thread_local bool ours = false;
+  return ours;
+}
+
+// Whether an op on `rows` tokens launches with PDL: only decode batches of at most 4, where every kernel of
+// the step is ours (the GEMV replaces cuBLAS) and each is a few microseconds. Measured on the H100 (docs/
+// benchmarks.md, round 14): PDL takes the batch-1 graph body from 1.06 to 0.92 ms, but at batch 16-64 the
+// decode-attention kernel launched early made the body 0.2-0.25 ms slower, and at 256 it changed nothing.
+constexpr int64_t kPdlMaxRows = 4;
+inline bool pdl_rows(int64_t rows) { return rows <= kPdlMaxRows; }
+
+// Work enqueued by someone else's code (a cuBLAS GEMM, a memcpy) since our last kernel.
+inline void note_foreign_work() { last_launch_ours() = false; }
+
+// kernel<<<grid, block, smem, s>>>(args...), with the PDL attribute when `pdl` is true and the mode allows
+// it (the kernel must then call pdl_wait() before reading or writing anything earlier kernels touch).
+template <typename... KArgs, typename... Args>
+void launch(const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+            bool pdl, Args&&... args) {
+  const int mode = pdl_mode();
+  const bool use = pdl && (mode == 1 || (mode == 2 && last_launch_ours()));
+  last_launch_ours() = true;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = use ? 1 : 0;
+  FDL_CHECK_CUDA(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(std::forward<Args>(args))...), what);
+}
 
 // ---------------------------------------------------------------- device-side conversions
 template <typename T>

@@ -1,9 +1,12 @@
-// Linear layers through cuBLASLt: y[M, N] = x[M, K] @ W (+ bias), fp32 accumulation.
+// Linear layers: y[M, N] = x[M, K] @ W (+ bias), fp32 accumulation.
 //
-// fdlite stores Linear weights as Paddle's [in, out] = [K, N]; a tied LM head reads the embedding
-// [N, K] transposed (trans_w). The bias rides in cuBLASLt's epilogue. Paddle's own matmul does
-// nothing on sm_90 with PyPI's wheel (ops_common.cuh); measured in SPIKE2, cuBLAS from a custom op
-// runs at torch.matmul's speed.
+// W is [K, N], or [N, K] with trans_w (fdlite's GPU Linear layout, and a tied embedding as LM head).
+// - M <= 4 with trans_w (decode at batch 1-4): our GEMV kernel, one warp per output row. Its weights
+//   are copied into shared memory before it waits for the previous kernel (programmatic dependent
+//   launch, ops_common.cuh), so weight streaming overlaps the kernels before it. Measured on the H100
+//   for Qwen3-0.6B's 112 projections at M = 1: 0.40 ms against cuBLASLt's 0.68 ms (docs/benchmarks.md).
+// - otherwise cuBLASLt, the bias in its epilogue. Paddle's own matmul does nothing on sm_90 with PyPI's
+//   wheel (ops_common.cuh); measured in SPIKE2, cuBLAS from a custom op runs at torch.matmul's speed.
 //
 // Capture safety: the handles and the workspace (plain cudaMalloc, outside Paddle's allocator) are
 // made by the first call on each device, which must be eager (checked); later calls, inside a
@@ -77,8 +80,101 @@ int align_bits(const void* p) {  // 16/8/4/2-byte alignment, as cuBLASLt's prefe
 
 template <typename T>
 __global__ void add_bias_kernel(T* __restrict__ y, const T* __restrict__ b, int64_t m, int64_t n) {
+  pdl_trigger();
+  pdl_wait();
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < m * n; i += (int64_t)gridDim.x * blockDim.x)
     y[i] = from_f<T>(to_f<T>(y[i]) + to_f<T>(b[i % n]));
+}
+
+// ------------------------------------------------------------------ decode GEMV (M <= 4, W [N, K])
+constexpr int kGemvMaxM = 4;
+constexpr int kGemvSmem = 96 * 1024;  // weight rows staged per block, at most
+
+__device__ __forceinline__ void gemv_cp16(void* smem, const void* gmem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
+}
+
+// y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]): one warp per row n, blockDim.x / 32 rows per block.
+// Each lane copies its own 16-byte pieces of the row into shared memory (cp.async) and reads back only
+// those, so no block barrier is needed. The copies are issued before pdl_wait(): W must not be written by
+// a kernel still in flight (true of weights; callers pass static_w only then, else no PDL launch).
+template <typename T, typename O, int M>
+__global__ void __launch_bounds__(256) gemv_kernel(O* __restrict__ y, const T* __restrict__ x,
+                                                   const T* __restrict__ W, const T* __restrict__ bias, int N,
+                                                   int K) {
+  extern __shared__ uint4 gemv_smem[];
+  constexpr int VE = 16 / sizeof(T);
+  const int nv = K / VE;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n = blockIdx.x * (blockDim.x >> 5) + warp;
+  uint4* ws = gemv_smem + (size_t)warp * nv;
+  if (n < N) {
+    const uint4* wr = reinterpret_cast<const uint4*>(W + (size_t)n * K);
+    for (int v = lane; v < nv; v += 32) gemv_cp16(ws + v, wr + v);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+  pdl_trigger();
+  pdl_wait();
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  if (n >= N) return;
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.f;
+#pragma unroll 4
+  for (int v = lane; v < nv; v += 32) {
+    const Vec<T, VE> w = reinterpret_cast<const Vec<T, VE>*>(ws)[v];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const Vec<T, VE> xv = reinterpret_cast<const Vec<T, VE>*>(x + (size_t)m * K)[v];
+#pragma unroll
+      for (int e = 0; e < VE; ++e) acc[m] = fmaf(to_f<T>(w.v[e]), to_f<T>(xv.v[e]), acc[m]);
+    }
+  }
+  const float b = bias != nullptr ? to_f<T>(bias[n]) : 0.f;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float v = warp_sum(acc[m]);
+    if (lane == 0) y[(size_t)m * N + n] = from_f<O>(v + b);
+  }
+}
+
+bool gemv_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("FDLITE_GEMV");
+    return env == nullptr || env[0] != '0';
+  }();
+  return on;
+}
+
+// Rows of W per block: up to 8 warps, as many as kGemvSmem holds; 0 = the row does not fit.
+int gemv_warps(int64_t K, size_t elem) { return (int)std::min<int64_t>(8, kGemvSmem / (K * (int64_t)elem)); }
+
+template <typename T, typename O>
+void launch_gemv(O* y, const T* x, const T* w, const T* bias, int64_t M, int64_t N, int64_t K, bool pdl,
+                 cudaStream_t s) {
+  const int warps = gemv_warps(K, sizeof(T));
+  const size_t smem = (size_t)warps * K * sizeof(T);
+  const dim3 grid((unsigned)ceil_div(N, warps)), block(warps * 32);
+  static bool init = false;
+  if (!init) {  // host-side attributes, once per instantiation (also fine during a capture)
+    FDL_CHECK_CUDA(cudaFuncSetAttribute(gemv_kernel<T, O, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmem),
+                   "fdl_linear: cudaFuncSetAttribute");
+    FDL_CHECK_CUDA(cudaFuncSetAttribute(gemv_kernel<T, O, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmem),
+                   "fdl_linear: cudaFuncSetAttribute");
+    FDL_CHECK_CUDA(cudaFuncSetAttribute(gemv_kernel<T, O, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmem),
+                   "fdl_linear: cudaFuncSetAttribute");
+    FDL_CHECK_CUDA(cudaFuncSetAttribute(gemv_kernel<T, O, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmem),
+                   "fdl_linear: cudaFuncSetAttribute");
+    init = true;
+  }
+  const int n = (int)N, k = (int)K;
+  switch (M) {
+    case 1: launch("fdl_linear (gemv)", gemv_kernel<T, O, 1>, grid, block, smem, s, pdl, y, x, w, bias, n, k); break;
+    case 2: launch("fdl_linear (gemv)", gemv_kernel<T, O, 2>, grid, block, smem, s, pdl, y, x, w, bias, n, k); break;
+    case 3: launch("fdl_linear (gemv)", gemv_kernel<T, O, 3>, grid, block, smem, s, pdl, y, x, w, bias, n, k); break;
+    default: launch("fdl_linear (gemv)", gemv_kernel<T, O, 4>, grid, block, smem, s, pdl, y, x, w, bias, n, k); break;
+  }
 }
 
 #define LT_OK(expr) PD_CHECK((expr) == CUBLAS_STATUS_SUCCESS, "fdl_linear: ", #expr, " failed")
@@ -124,7 +220,7 @@ Plan& get_plan(DeviceCtx& c, const Key& key, cudaDataType_t tin, cudaDataType_t 
 }
 
 void linear(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& bias, paddle::Tensor& y,
-            bool trans_w, bool has_bias, const char* opname) {
+            bool trans_w, bool has_bias, bool static_w, const char* opname) {
   check_gpu(x, opname, "x");
   check_gpu(w, opname, "weight");
   check_gpu(y, opname, "out");
@@ -144,6 +240,21 @@ void linear(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tens
   }
   if (M == 0 || N == 0) return;
   cudaStream_t s = stream_of(x);
+  const size_t elem = x.dtype() == paddle::DataType::FLOAT32 ? 4 : 2;
+  if (trans_w && M <= kGemvMaxM && gemv_enabled() && (K * (int64_t)elem) % 16 == 0 && gemv_warps(K, elem) > 0 &&
+      N < (int64_t)1 << 31 && aligned16(x.data()) && aligned16(w.data())) {
+    const void* b = has_bias ? bias.data() : nullptr;
+    FDL_FLOAT_SWITCH(x.dtype(), T, opname, {
+      if (mixed)
+        launch_gemv<T, float>(static_cast<float*>(y.data()), static_cast<const T*>(x.data()),
+                              static_cast<const T*>(w.data()), static_cast<const T*>(b), M, N, K, static_w, s);
+      else
+        launch_gemv<T, T>(static_cast<T*>(y.data()), static_cast<const T*>(x.data()), static_cast<const T*>(w.data()),
+                          static_cast<const T*>(b), M, N, K, static_w, s);
+    });
+    return;
+  }
+  note_foreign_work();  // cuBLAS's kernels do not take part in PDL: the kernel after them launches normally
   cudaDataType_t tin = cuda_type(x.dtype()), tout = cuda_type(y.dtype());
   std::lock_guard<std::mutex> lock(g_mu);
   DeviceCtx& c = device_ctx(s);
@@ -176,7 +287,7 @@ void linear(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tens
     const int threads = 256;
     const int64_t blocks = std::min<int64_t>(ceil_div(M * N, threads), (int64_t)num_sms() * 8);
     FDL_FLOAT_SWITCH(x.dtype(), T, opname,
-                     add_bias_kernel<T><<<(unsigned)blocks, threads, 0, s>>>(static_cast<T*>(y.data()),
+                     launch("add_bias_kernel", add_bias_kernel<T>, (unsigned)blocks, threads, 0, s, false, static_cast<T*>(y.data()),
                                                                              static_cast<const T*>(bias.data()), M, N));
     FDL_CHECK_LAUNCH(opname);
   }
@@ -193,34 +304,35 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& xs, const std::vector
 
 using namespace fdl;
 
-// fdl_linear(x [..., K], w, bias, trans_w, has_bias) -> y [..., N] in x's dtype.
-// w is [K, N] (fdlite's Linear layout), or [N, K] with trans_w (a tied embedding as LM head).
-// bias [N] is read only when has_bias (pass any GPU tensor otherwise).
+// fdl_linear(x [..., K], w, bias, trans_w, has_bias, static_w) -> y [..., N] in x's dtype.
+// w is [K, N], or [N, K] with trans_w (fdlite's GPU Linear layout; a tied embedding as LM head).
+// bias [N] is read only when has_bias (pass any GPU tensor otherwise). static_w: no kernel still in
+// flight writes w (model weights), so the GEMV may start reading it before the previous kernel ends.
 std::vector<paddle::Tensor> Linear(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& bias,
-                                   bool trans_w, bool has_bias) {
+                                   bool trans_w, bool has_bias, bool static_w) {
   PD_CHECK(w.shape().size() == 2, "fdl_linear: weight must be 2-D");
   paddle::Tensor y = paddle::empty(out_shape(x.shape(), w.shape(), trans_w), x.dtype(), x.place());
-  linear(x, w, bias, y, trans_w, has_bias, "fdl_linear");
+  linear(x, w, bias, y, trans_w, has_bias, static_w, "fdl_linear");
   return {y};
 }
 
 PD_BUILD_OP(fdl_linear)
     .Inputs({"X", "W", "Bias"})
     .Outputs({"Out"})
-    .Attrs({"trans_w: bool", "has_bias: bool"})
+    .Attrs({"trans_w: bool", "has_bias: bool", "static_w: bool"})
     .SetKernelFn(PD_KERNEL(Linear));
 
 // fdl_linear_(out, x, w, bias, trans_w, has_bias): into a preallocated out, which may be float32
 // for half inputs (logits straight from the LM head, no cast pass).
 std::vector<paddle::Tensor> LinearInplace(paddle::Tensor& out, const paddle::Tensor& x, const paddle::Tensor& w,
-                                          const paddle::Tensor& bias, bool trans_w, bool has_bias) {
-  linear(x, w, bias, out, trans_w, has_bias, "fdl_linear_");
+                                          const paddle::Tensor& bias, bool trans_w, bool has_bias, bool static_w) {
+  linear(x, w, bias, out, trans_w, has_bias, static_w, "fdl_linear_");
   return {};
 }
 
 PD_BUILD_OP(fdl_linear_)
     .Inputs({"Out", "X", "W", "Bias"})
     .Outputs({"OutRef"})
-    .Attrs({"trans_w: bool", "has_bias: bool"})
+    .Attrs({"trans_w: bool", "has_bias: bool", "static_w: bool"})
     .SetInplaceMap({{"Out", "OutRef"}})
     .SetKernelFn(PD_KERNEL(LinearInplace));

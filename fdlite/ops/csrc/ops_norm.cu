@@ -13,7 +13,9 @@ namespace {
 // One block per row. VEC elements per access (16 bytes when the row and addresses allow it).
 template <typename T, int VEC, bool ADD>
 __global__ void rms_norm_kernel(T* out, T* residual, const T* x, const T* __restrict__ w, int hidden,
-                                float eps) {  // out aliases x in the fused in-place form
+                                float eps) {
+  pdl_trigger();
+  pdl_wait();  // out aliases x in the fused in-place form
   using V = Vec<T, VEC>;
   const int64_t row = blockIdx.x;
   const int nv = hidden / VEC;
@@ -55,14 +57,16 @@ void launch_rms(T* out, T* residual, const T* x, const T* w, int64_t rows, int h
   const int nv = vec ? hidden / V16 : hidden;
   const int threads = (int)std::min<int64_t>(1024, std::max<int64_t>(32, ceil_div(nv, 32) * 32));
   if (vec)
-    rms_norm_kernel<T, V16, ADD><<<(unsigned)rows, threads, 0, s>>>(out, residual, x, w, hidden, eps);
+    launch("rms_norm_kernel", rms_norm_kernel<T, V16, ADD>, (unsigned)rows, threads, 0, s, pdl_rows(rows), out, residual, x, w, hidden, eps);
   else
-    rms_norm_kernel<T, 1, ADD><<<(unsigned)rows, threads, 0, s>>>(out, residual, x, w, hidden, eps);
+    launch("rms_norm_kernel", rms_norm_kernel<T, 1, ADD>, (unsigned)rows, threads, 0, s, pdl_rows(rows), out, residual, x, w, hidden, eps);
 }
 
 // out[t, i] = round(silu(gate)) * up with gate = x[t, i], up = x[t, I + i].
 template <typename T, int VEC>
 __global__ void silu_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t tokens, int inter) {
+  pdl_trigger();
+  pdl_wait();
   using V = Vec<T, VEC>;
   const int nv = inter / VEC;
   const int64_t total = tokens * nv;
@@ -90,9 +94,9 @@ void launch_silu_mul(T* out, const T* x, int64_t tokens, int inter, cudaStream_t
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>(ceil_div(work, threads), (int64_t)num_sms() * 8);
   if (vec)
-    silu_mul_kernel<T, V16><<<(unsigned)blocks, threads, 0, s>>>(out, x, tokens, inter);
+    launch("silu_mul_kernel", silu_mul_kernel<T, V16>, (unsigned)blocks, threads, 0, s, pdl_rows(tokens), out, x, tokens, inter);
   else
-    silu_mul_kernel<T, 1><<<(unsigned)blocks, threads, 0, s>>>(out, x, tokens, inter);
+    launch("silu_mul_kernel", silu_mul_kernel<T, 1>, (unsigned)blocks, threads, 0, s, pdl_rows(tokens), out, x, tokens, inter);
 }
 
 void check_norm_args(const paddle::Tensor& x, const paddle::Tensor& w, const char* op) {

@@ -24,6 +24,8 @@ __global__ void rope_cache_kernel(T* __restrict__ q_out, T* __restrict__ k_cache
                                   const C* __restrict__ sin_t, const T* __restrict__ qw, const T* __restrict__ kw,
                                   int64_t tokens, int h, int kvh, int d, int block_size, int64_t max_pos,
                                   bool qk_norm, float eps) {
+  pdl_trigger();
+  pdl_wait();
   const int heads = h + 2 * kvh;
   const int64_t unit = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (unit >= tokens * heads) return;
@@ -101,7 +103,7 @@ void launch_rope(T* q, T* kc, T* vc, const T* qkv, const int64_t* pos, const int
   const unsigned blocks = (unsigned)ceil_div(units, warps);
   const int pairs = (int)ceil_div(d / 2, 32);
 #define FDL_ROPE(P)                                                                                    \
-  rope_cache_kernel<T, C, P><<<blocks, warps * 32, 0, s>>>(q, kc, vc, qkv, pos, slots, cs, sn, qw, kw, \
+  launch("rope_cache_kernel", rope_cache_kernel<T, C, P>, blocks, warps * 32, 0, s, pdl_rows(tokens), q, kc, vc, qkv, pos, slots, cs, sn, qw, kw, \
                                                             tokens, h, kvh, d, bs, max_pos, norm, eps)
   if (pairs <= 1) FDL_ROPE(1);
   else if (pairs <= 2) FDL_ROPE(2);

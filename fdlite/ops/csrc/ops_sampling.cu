@@ -262,6 +262,8 @@ __global__ void __launch_bounds__(NT) sample_kernel(int64_t* __restrict__ out, c
                                                     const int* __restrict__ top_k, const float* __restrict__ top_p,
                                                     const float* __restrict__ min_p, const int64_t* __restrict__ seeds,
                                                     const int64_t* __restrict__ positions, bool greedy_only) {
+  pdl_trigger();
+  pdl_wait();
   __shared__ Shared sh;
   const int64_t s = blockIdx.x;
   const float* row = logits + s * (int64_t)V;
@@ -351,6 +353,8 @@ __global__ void __launch_bounds__(NT) sample_kernel(int64_t* __restrict__ out, c
 }
 
 __global__ void uniform_kernel(float* out, const int64_t* seeds, const int64_t* positions, int64_t n, int round) {
+  pdl_trigger();
+  pdl_wait();
   const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (i < n) out[i] = uniform01((uint64_t)seeds[i], (uint64_t)positions[i], (uint64_t)(int64_t)round);
 }
@@ -373,7 +377,7 @@ std::vector<paddle::Tensor> Argmax(const paddle::Tensor& logits) {
   const int V = (int)logits.shape()[1];
   paddle::Tensor out = paddle::empty({S}, paddle::DataType::INT64, logits.place());
   if (S > 0)
-    sample_kernel<<<(unsigned)S, NT, 0, stream_of(logits)>>>(out.data<int64_t>(), logits.data<float>(), V, nullptr,
+    launch("sample_kernel", sample_kernel, (unsigned)S, NT, 0, stream_of(logits), pdl_rows(S), out.data<int64_t>(), logits.data<float>(), V, nullptr,
                                                             nullptr, nullptr, nullptr, nullptr, nullptr, true);
   FDL_CHECK_LAUNCH("fdl_argmax");
   return {out};
@@ -402,7 +406,7 @@ std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::T
            op, ": temperature/top_p/min_p float32, top_k int32, seeds/positions int64");
   paddle::Tensor out = paddle::empty({S}, paddle::DataType::INT64, logits.place());
   if (S > 0)
-    sample_kernel<<<(unsigned)S, NT, 0, stream_of(logits)>>>(
+    launch("sample_kernel", sample_kernel, (unsigned)S, NT, 0, stream_of(logits), pdl_rows(S), 
         out.data<int64_t>(), logits.data<float>(), V, temperature.data<float>(), top_k.data<int>(), top_p.data<float>(),
         min_p.data<float>(), seeds.data<int64_t>(), positions.data<int64_t>(), false);
   FDL_CHECK_LAUNCH(op);
@@ -424,7 +428,7 @@ std::vector<paddle::Tensor> Uniform(const paddle::Tensor& seeds, const paddle::T
   const int64_t n = seeds.numel();
   paddle::Tensor out = paddle::empty({n}, paddle::DataType::FLOAT32, seeds.place());
   if (n > 0)
-    uniform_kernel<<<(unsigned)ceil_div(n, 256), 256, 0, stream_of(seeds)>>>(out.data<float>(), seeds.data<int64_t>(),
+    launch("uniform_kernel", uniform_kernel, (unsigned)ceil_div(n, 256), 256, 0, stream_of(seeds), false, out.data<float>(), seeds.data<int64_t>(),
                                                                             positions.data<int64_t>(), n, round);
   FDL_CHECK_LAUNCH("fdl_uniform");
   return {out};

@@ -84,6 +84,7 @@ def load(path: str | None = None) -> str:
         capi.fdl_event_destroy.argtypes = [ctypes.c_void_p]
         capi.fdl_memcpy_d2h.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         capi.fdl_memcpy_h2d_async.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        capi.fdl_memcpy_h2d_many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         _state.update(path=path, run=run, capi=capi)
         return path
 
@@ -184,6 +185,17 @@ def copy_from_host(dst, values: np.ndarray) -> None:
         raise GpuOpsError(f"cudaMemcpyAsync host to device failed: error {rc}")
 
 
+def copy_from_host_many(dst_ptrs: list[int], src_ptrs: list[int], nbytes: list[int]) -> None:
+    """Host -> device copies dst_ptrs[i] <- src_ptrs[i] (nbytes[i] each) on the current stream, in one ctypes
+    call: the runner's step inputs (`runner/forward_buffers.py`). Sources may be reused on return (pageable
+    memory is staged by the runtime before cudaMemcpyAsync returns)."""
+    n = len(dst_ptrs)
+    table = (ctypes.c_uint64 * (3 * n))(*dst_ptrs, *src_ptrs, *nbytes)
+    rc = capi().fdl_memcpy_h2d_many(n, table, current_stream_handle())
+    if rc:
+        raise GpuOpsError(f"cudaMemcpyAsync host to device failed: error {rc}")
+
+
 def gather_rows(src, index, offset: int = 0, out=None):
     """out[i] = src[index[i] - offset], zeros where that row is outside src (vocab-parallel shards)."""
     _check(src, "src")
@@ -222,10 +234,12 @@ def silu_and_mul(x):
 
 
 # ------------------------------------------------------------------ (c) linear
-def linear(x, weight, bias=None, trans_w: bool = False, out=None):
-    """x [..., K] @ weight [K, N] (+ bias [N]); trans_w: weight is [N, K] (a tied embedding).
+def linear(x, weight, bias=None, trans_w: bool = False, out=None, static_w: bool = False):
+    """x [..., K] @ weight [K, N] (+ bias [N]); trans_w: weight is [N, K] (fdlite's GPU Linear layout, or a
+    tied embedding). With trans_w and at most 4 rows, a GEMV kernel runs instead of cuBLASLt.
 
-    out: a preallocated [M, N] tensor of x's dtype or float32 (e.g. logits)."""
+    out: a preallocated [M, N] tensor of x's dtype or float32 (e.g. logits). static_w: no kernel still in
+    flight writes `weight` (model weights), so the GEMV may read it before the previous kernel ends."""
     _check(x, "x", FLOAT_DTYPES)
     _check(weight, "weight", (_dtype(x),), ndim=2)
     has_bias = bias is not None
@@ -233,9 +247,9 @@ def linear(x, weight, bias=None, trans_w: bool = False, out=None):
         _check(bias, "bias", (_dtype(x),))
     b = bias if has_bias else weight
     if out is None:
-        return _run("fdl_linear", x, weight, b, bool(trans_w), has_bias)[0]
+        return _run("fdl_linear", x, weight, b, bool(trans_w), has_bias, bool(static_w))[0]
     _check(out, "out", (_dtype(x), "float32"))
-    _run("fdl_linear_", out, x, weight, b, bool(trans_w), has_bias)
+    _run("fdl_linear_", out, x, weight, b, bool(trans_w), has_bias, bool(static_w))
     return out
 
 
@@ -280,15 +294,16 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q
 
 
 # ------------------------------------------------------------------ (f) logits and sampling
-def lm_head_logits(hidden, rows, weight, trans_w: bool = False, out=None):
-    """Float32 logits [S, V] for the rows that sample: gather `rows` of hidden, then the LM head."""
+def lm_head_logits(hidden, rows, weight, trans_w: bool = False, out=None, static_w: bool = False):
+    """Float32 logits [S, V] for the rows that sample: gather `rows` of hidden, then the LM head
+    (static_w as in `linear`)."""
     import paddle  # noqa: PLC0415
 
     picked = gather_rows(hidden, rows)
     n = weight.shape[0] if trans_w else weight.shape[1]
     if out is None:
         out = paddle.empty([picked.shape[0], n], dtype="float32")
-    return linear(picked, weight, None, trans_w, out=out)
+    return linear(picked, weight, None, trans_w, out=out, static_w=static_w)
 
 
 def argmax(logits):
