@@ -11,6 +11,7 @@ fresh allocator and its startup numbers are its own:
     python3 tools/gpu/e2e_harness.py hf_bench   --out DIR   # transformers batched generate on the protocol (subset)
     python3 tools/gpu/e2e_harness.py throughput --out DIR   # nano-vllm protocol + decode step times at 1/16/64/256
     python3 tools/gpu/e2e_harness.py diag       --out DIR   # where a decode step's time goes (host parts, eager)
+    python3 tools/gpu/e2e_harness.py breakdown  --out DIR   # the throughput protocol's time by step kind
 
 Each writes DIR/<section>.json as it goes (a crash keeps what was measured).
 """
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
-ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag"])
+ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown"])
 ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/fdl_e2e_out")
 ap.add_argument("--models", default="/tmp/fdl_e2e_models")
 ap.add_argument("--quick", action="store_true")
@@ -543,9 +544,67 @@ def section_throughput():
         run("decode_step_times_ctx512", step_times)
 
 
+def section_breakdown():
+    """The throughput protocol's wall time split by step kind: each `ModelRunner.execute` call (forward, LM
+    head, sampling, ids back on the host) timed with the batch it ran, the rest being the engine's host work
+    around it (scheduling, output processing)."""
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+
+    state = {}
+
+    def startup():
+        state["llm"] = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256,
+                           max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True,
+                           async_scheduling=os.environ.get("FDLITE_E2E_ASYNC") == "1")
+        return {"async_scheduling": state["llm"].config.async_scheduling}
+
+    def case():
+        llm = state["llm"]
+        runner = llm.runner
+        inner = runner.execute
+        steps = []
+
+        def timed(step):
+            t = time.perf_counter()
+            out = inner(step)
+            steps.append((step.flat.num_tokens, step.flat.num_decodes, time.perf_counter() - t))
+            return out
+
+        runner.execute = timed
+        prompts, outs = protocol()
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        steps.clear()
+        t = time.time()
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs], use_tqdm=False)
+        wall = time.time() - t
+        runner.execute = inner
+        kinds: dict[str, list] = {}
+        for tokens, decodes, sec in steps:
+            if tokens > decodes:
+                key = "with prefill tokens"
+            else:
+                key = next(f"decode <= {b}" for b in (4, 16, 64, 128, 192, 256, 10**9) if decodes <= b)
+            k = kinds.setdefault(key, [0, 0.0, 0, 0])
+            k[0] += 1
+            k[1] += sec
+            k[2] += tokens
+            k[3] += decodes
+        table = {key: {"steps": n, "seconds": round(sec, 3), "share_of_wall": round(sec / wall, 3),
+                       "ms_per_step": round(sec / n * 1e3, 3), "tokens": tok, "output_tokens": dec}
+                 for key, (n, sec, tok, dec) in sorted(kinds.items())}
+        in_steps = sum(x[2] for x in steps)
+        return {"wall_s": round(wall, 2), "steps": len(steps), "in_execute_s": round(in_steps, 2),
+                "outside_execute_s": round(wall - in_steps, 2), "by_kind": table}
+
+    run("startup", startup)
+    if "llm" in state:
+        run("protocol_by_step_kind", case)
+
+
 if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
-     "throughput": section_throughput, "diag": section_diag}[ARGS.section]()
+     "throughput": section_throughput, "diag": section_diag, "breakdown": section_breakdown}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))
