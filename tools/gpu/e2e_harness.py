@@ -368,6 +368,27 @@ def _median_ms(fn, n=25, warm=5) -> float:
     return round(float(np.median(times[warm:])) * 1e3, 3)
 
 
+def _gpu_ms(fn, n=25, warm=5) -> float:
+    """Median GPU time of fn()'s work in ms: our cudaEvents on Paddle's current stream (Paddle 2.6's
+    Event.elapsed_time is a stub), n calls, the first `warm` not counted."""
+    from fdlite.ops import gpu as gpu_ops  # noqa: PLC0415
+
+    capi, stream = gpu_ops.capi(), gpu_ops.current_stream_handle()
+    if "events" not in _EVENTS:
+        _EVENTS["events"] = (capi.fdl_event_create(), capi.fdl_event_create())
+    e0, e1 = _EVENTS["events"]
+    times = []
+    for _ in range(n):
+        capi.fdl_event_record(e0, stream)
+        fn()
+        capi.fdl_event_record(e1, stream)
+        times.append(capi.fdl_event_elapsed_ms(e0, e1))
+    return round(float(np.median(times[warm:])), 3)
+
+
+_EVENTS: dict = {}
+
+
 def section_diag():
     """Where a decode step's time goes: the host parts of a graph step at batch 1, and the eager step with
     and without the wrappers' argument checks, before and after a throughput-sized run."""
@@ -390,22 +411,13 @@ def section_diag():
             gr = runner.graph_runner
             rng = np.random.default_rng(0)
             out = {}
-            capi = gpu_ops.capi()
-            stream = gpu_ops.current_stream_handle()
-            ev = [capi.fdl_event_create(), capi.fdl_event_create()]
             for b in ((1, 16, 64, 256) if ARGS.quick else (1, 64)):
                 flat, sb = decode_flat(b, 512, llm.config.block_size, llm.num_blocks, rng)
                 size = gr.size_for(flat)
                 row = {}
                 row["step_graph_ms"] = _median_ms(lambda: runner.sampler(runner.forward(flat, True), sb))
                 row["write_padded_ms"] = _median_ms(lambda: gr._write(flat, size))
-                body = []
-                for _ in range(25):  # GPU time of the replay alone (our events on Paddle's stream)
-                    capi.fdl_event_record(ev[0], stream)
-                    gr.graphs[size].replay()
-                    capi.fdl_event_record(ev[1], stream)
-                    body.append(capi.fdl_event_elapsed_ms(ev[0], ev[1]))
-                row["graph_body_gpu_ms"] = round(float(np.median(body[5:])), 3)
+                row["graph_body_gpu_ms"] = _gpu_ms(lambda: gr.graphs[size].replay())
                 row["replay_call_return_ms"] = _median_ms(lambda: gr.graphs[size].replay())
                 paddle.device.synchronize()
                 row["replay_synchronised_ms"] = _median_ms(
@@ -416,14 +428,7 @@ def section_diag():
                 row["compute_logits_call_ms"] = _median_ms(lambda: runner.model.compute_logits(hidden, idx))
                 logits = runner.model.compute_logits(hidden, idx)
                 paddle.device.synchronize()
-
-                def head_gpu():
-                    capi.fdl_event_record(ev[0], stream)
-                    runner.model.compute_logits(hidden, idx)
-                    capi.fdl_event_record(ev[1], stream)
-                    return capi.fdl_event_elapsed_ms(ev[0], ev[1])
-
-                row["lm_head_gpu_ms"] = round(float(np.median([head_gpu() for _ in range(20)])), 3)
+                row["lm_head_gpu_ms"] = _gpu_ms(lambda: runner.model.compute_logits(hidden, idx), n=20, warm=0)
                 row["sampler_call_ms"] = _median_ms(lambda: runner.sampler(logits, sb))
                 row["argmax_call_ms"] = _median_ms(lambda: gpu_ops.argmax(logits))
                 row["step_eager_ms"] = _median_ms(lambda: runner.sampler(runner.forward(flat, False), sb), n=12, warm=2)
@@ -501,11 +506,6 @@ def section_throughput():
         weight_bytes = sum(int(np.prod(p.shape)) * 2 for p in runner.model.parameters())
         kv_per_token = 2 * cfg.num_hidden_layers * runner.tp.num_kv_heads * cfg.head_dim * 2
         rng = np.random.default_rng(0)
-        from fdlite.ops import gpu as gpu_ops  # noqa: PLC0415
-
-        capi = gpu_ops.capi()
-        stream = gpu_ops.current_stream_handle()
-        ev = [capi.fdl_event_create(), capi.fdl_event_create()]
         out = {}
         for b in (1, 16, 64, 256):
             flat, sb = decode_flat(b, ctx, bs, llm.num_blocks, rng)
@@ -522,13 +522,7 @@ def section_throughput():
             gr = runner.graph_runner
             size = gr.size_for(flat)
             gr._write(flat, size)
-            gpu = []
-            for i in range(25):
-                capi.fdl_event_record(ev[0], stream)
-                gr.graphs[size].replay()
-                capi.fdl_event_record(ev[1], stream)
-                gpu.append(capi.fdl_event_elapsed_ms(ev[0], ev[1]))
-            row["graph_replay_gpu_ms"] = round(float(np.median(gpu[5:])), 3)
+            row["graph_replay_gpu_ms"] = _gpu_ms(lambda: gr.graphs[size].replay())
             roof = (weight_bytes + b * ctx * kv_per_token) / 3.0e12
             row["roofline_ms"] = round(roof * 1e3, 3)
             row["bytes_read_MB"] = round((weight_bytes + b * ctx * kv_per_token) / 1e6, 1)

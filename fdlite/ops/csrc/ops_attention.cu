@@ -68,13 +68,6 @@ __device__ __forceinline__ int find_row(const int* cu, int B, int64_t t) {
   return lo;
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  const int n = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 template <typename T, int D>
 struct Layout {
@@ -522,10 +515,7 @@ int* split_counters(cudaStream_t s) {
   PD_CHECK(dev >= 0 && dev < 16, "fdl_paged_attention: device index out of range");
   std::lock_guard<std::mutex> lock(mu);
   if (per_device[dev] == nullptr) {
-    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    cudaStreamIsCapturing(s, &st);
-    PD_CHECK(st == cudaStreamCaptureStatusNone,
-             "fdl_paged_attention: the first call on a device must run eagerly (it allocates the split counters)");
+    require_eager(s, "fdl_paged_attention: the first call on a device must run eagerly (it allocates the split counters)");
     int* p = nullptr;
     FDL_CHECK_CUDA(cudaMalloc(&p, kMaxCounters * sizeof(int)), "fdl_paged_attention: counters cudaMalloc");
     FDL_CHECK_CUDA(cudaMemsetAsync(p, 0, kMaxCounters * sizeof(int), s), "fdl_paged_attention: counters cudaMemset");

@@ -82,6 +82,13 @@ inline int num_sms() {
       PD_THROW(op, ": unsupported dtype (float32, float16, bfloat16)");             \
   }
 
+// The first call of an op that allocates or creates handles (kept for later calls) must not be captured.
+inline void require_eager(cudaStream_t s, const char* what) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(s, &st);
+  PD_CHECK(st == cudaStreamCaptureStatusNone, what);
+}
+
 // ---------------------------------------------------------------- programmatic dependent launch
 // Hopper's PDL lets a kernel's blocks start while the kernel before it in the stream is still running:
 // each of our kernels signals `pdl_trigger()` on entry (its dependents may be scheduled) and calls
@@ -184,6 +191,20 @@ template <typename T>
 constexpr int vec16() { return 16 / sizeof(T); }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// ---------------------------------------------------------------- asynchronous copies to shared memory
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int n = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// "memory": shared-memory reads after it may not be moved above it (no block barrier needs to follow).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // ---------------------------------------------------------------- reductions
 __device__ __forceinline__ float warp_sum(float v) {

@@ -52,10 +52,7 @@ DeviceCtx& device_ctx(cudaStream_t s) {
   PD_CHECK(dev >= 0 && dev < kMaxDevices, "fdl_linear: device index out of range");
   DeviceCtx& c = g_ctx[dev];
   if (c.lt == nullptr) {
-    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    cudaStreamIsCapturing(s, &st);
-    PD_CHECK(st == cudaStreamCaptureStatusNone,
-             "fdl_linear: the first call on a device must run eagerly (it creates cuBLAS handles and the workspace)");
+    require_eager(s, "fdl_linear: the first call on a device must run eagerly (it creates cuBLAS handles and the workspace)");
     PD_CHECK(cublasLtCreate(&c.lt) == CUBLAS_STATUS_SUCCESS, "fdl_linear: cublasLtCreate failed");
     PD_CHECK(cublasCreate(&c.blas) == CUBLAS_STATUS_SUCCESS, "fdl_linear: cublasCreate failed");
     FDL_CHECK_CUDA(cudaMalloc(&c.ws, kWorkspaceBytes), "fdl_linear: workspace cudaMalloc");
@@ -90,11 +87,6 @@ __global__ void add_bias_kernel(T* __restrict__ y, const T* __restrict__ b, int6
 constexpr int kGemvMaxM = 4;
 constexpr int kGemvSmem = 96 * 1024;  // weight rows staged per block, at most
 
-__device__ __forceinline__ void gemv_cp16(void* smem, const void* gmem) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
-}
-
 // y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]): one warp per row n, blockDim.x / 32 rows per block.
 // Each lane copies its own 16-byte pieces of the row into shared memory (cp.async) and reads back only
 // those, so no block barrier is needed. The copies are issued before pdl_wait(): W must not be written by
@@ -111,12 +103,12 @@ __global__ void __launch_bounds__(256) gemv_kernel(O* __restrict__ y, const T* _
   uint4* ws = gemv_smem + (size_t)warp * nv;
   if (n < N) {
     const uint4* wr = reinterpret_cast<const uint4*>(W + (size_t)n * K);
-    for (int v = lane; v < nv; v += 32) gemv_cp16(ws + v, wr + v);
+    for (int v = lane; v < nv; v += 32) cp_async16(ws + v, wr + v);
   }
-  asm volatile("cp.async.commit_group;\n" ::);
+  cp_async_commit();
   pdl_trigger();
   pdl_wait();
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  cp_async_wait_all();
   if (n >= N) return;
   float acc[M];
 #pragma unroll
@@ -156,25 +148,17 @@ void launch_gemv(O* y, const T* x, const T* w, const T* bias, int64_t M, int64_t
   const int warps = gemv_warps(K, sizeof(T));
   const size_t smem = (size_t)warps * K * sizeof(T);
   const dim3 grid((unsigned)ceil_div(N, warps)), block(warps * 32);
+  using Kernel = void (*)(O*, const T*, const T*, const T*, int, int);
+  static const Kernel kernels[kGemvMaxM] = {gemv_kernel<T, O, 1>, gemv_kernel<T, O, 2>, gemv_kernel<T, O, 3>,
+                                            gemv_kernel<T, O, 4>};
   static bool init = false;
   if (!init) {  // host-side attributes, once per instantiation (also fine during a capture)
-    FDL_CHECK_CUDA(cudaFuncSetAttribute(gemv_kernel<T, O, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmem),
-                   "fdl_linear: cudaFuncSetAttribute");
-    FDL_CHECK_CUDA(cudaFuncSetAttribute(gemv_kernel<T, O, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmem),
-                   "fdl_linear: cudaFuncSetAttribute");
-    FDL_CHECK_CUDA(cudaFuncSetAttribute(gemv_kernel<T, O, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmem),
-                   "fdl_linear: cudaFuncSetAttribute");
-    FDL_CHECK_CUDA(cudaFuncSetAttribute(gemv_kernel<T, O, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmem),
-                   "fdl_linear: cudaFuncSetAttribute");
+    for (Kernel k : kernels)
+      FDL_CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmem),
+                     "fdl_linear: cudaFuncSetAttribute");
     init = true;
   }
-  const int n = (int)N, k = (int)K;
-  switch (M) {
-    case 1: launch("fdl_linear (gemv)", gemv_kernel<T, O, 1>, grid, block, smem, s, pdl, y, x, w, bias, n, k); break;
-    case 2: launch("fdl_linear (gemv)", gemv_kernel<T, O, 2>, grid, block, smem, s, pdl, y, x, w, bias, n, k); break;
-    case 3: launch("fdl_linear (gemv)", gemv_kernel<T, O, 3>, grid, block, smem, s, pdl, y, x, w, bias, n, k); break;
-    default: launch("fdl_linear (gemv)", gemv_kernel<T, O, 4>, grid, block, smem, s, pdl, y, x, w, bias, n, k); break;
-  }
+  launch("fdl_linear (gemv)", kernels[M - 1], grid, block, smem, s, pdl, y, x, w, bias, (int)N, (int)K);
 }
 
 #define LT_OK(expr) PD_CHECK((expr) == CUBLAS_STATUS_SUCCESS, "fdl_linear: ", #expr, " failed")
