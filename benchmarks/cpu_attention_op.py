@@ -1,4 +1,4 @@
-"""Per-call time of CPU decode attention: the C++ op vs the Paddle-op reference (ops/attention.py).
+"""Per-call time of CPU decode attention: the C++ op vs the Paddle-op reference (fdlite/layers/attention.py).
 
 The shape of `cpu_throughput.py`'s model and workload: a decode batch of 32 rows with contexts of
 ~300 tokens, 8 query heads / 4 KV heads, head_dim 32, block size 64, 4 layers (the reference derives
@@ -32,8 +32,8 @@ def main() -> None:
     import fdlite  # noqa: F401  (MKL setup first, as the engine does)
     import paddle
 
-    from fdlite.ops import cpu_attention
-    from fdlite.ops.attention import reference_attention
+    from fdlite.kernels import cpu_attention
+    from fdlite.layers.attention import reference_attention
     from test_cpu_attention_op import make_case
 
     paddle.set_device("cpu")

@@ -84,7 +84,7 @@ class Timers:
 def run(path: str, prompts, max_tokens: int, max_num_seqs: int) -> dict:
     from fdlite import LLM, SamplingParams  # first: fdlite sets MKL's CPU type before Paddle loads it
     from fdlite.models.decoder import DecoderMLP, DecoderModel
-    from fdlite.ops import moe
+    from fdlite.layers import moe
 
     import paddle
 

@@ -27,7 +27,7 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fdlite import LLM, SamplingParams  # noqa: E402
-from fdlite.ops import sampler as sampler_mod  # noqa: E402
+from fdlite.sample import sampler as sampler_mod  # noqa: E402
 from fdlite.runner import engine as engine_mod  # noqa: E402
 from fdlite.sampling_params import StructuredOutputsParams  # noqa: E402
 from fdlite.structured import matcher as matcher_mod  # noqa: E402

@@ -18,7 +18,7 @@ from fdlite.graph.static_graph import check_graph_opt_level, translation_count
 from fdlite.model_source import resolve_model
 from fdlite.models.context_length import choose_max_model_len, fit_to_cache
 from fdlite.models.model_config import ModelConfig
-from fdlite.ops.random import sequence_seed
+from fdlite.sample.random import sequence_seed
 from fdlite.outputs import CompletionOutput, RequestOutput
 from fdlite.progress import Progress
 from fdlite.reasoning import make_reasoning_parser

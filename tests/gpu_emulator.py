@@ -1,4 +1,4 @@
-"""The GPU path on a CPU: fdlite's GPU op wrappers (`fdlite.ops.gpu`) replaced by numpy/Paddle-CPU
+"""The GPU path on a CPU: fdlite's GPU op wrappers (`fdlite.kernels.gpu`) replaced by numpy/Paddle-CPU
 versions of their contracts, and the platform switched to "gpu".
 
 What this tests is the wiring of the GPU path (which op the seam picks, the arguments the models pass,
@@ -15,9 +15,9 @@ from collections import Counter
 import numpy as np
 import paddle
 
-from fdlite.ops import gpu as gpu_ops
-from fdlite.ops import platform
-from fdlite.ops.gpu import sampling_ref
+from fdlite.kernels import gpu as gpu_ops
+from fdlite.kernels import platform
+from fdlite.sample import sampling_ref
 
 CALLS: Counter = Counter()
 

@@ -3,7 +3,7 @@
 import pytest
 
 from fdlite.phases import PhaseRecorder
-from fdlite.ops.allreduce.capture import (capture_custom_allreduce, is_capturing_custom_allreduce,
+from fdlite.kernels.allreduce.capture import (capture_custom_allreduce, is_capturing_custom_allreduce,
                                           register_capture_participant, unregister_capture_participant)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from fdlite.graph.capture_sizes import (decode_capture_sizes, padded_size, prefill_capture_sizes,
                                         worst_case_prefill_split)
-from fdlite.ops.forward_meta import FlatBatch
+from fdlite.layers.forward_meta import FlatBatch
 from fdlite.runner.forward_buffers import ForwardBuffers
 
 # Written out from the seed page, not computed by the code under test.

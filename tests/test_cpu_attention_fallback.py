@@ -9,8 +9,8 @@ import numpy as np
 import paddle
 import pytest
 
-from fdlite.ops import cpu_attention
-from fdlite.ops.attention import paged_attention, reference_attention
+from fdlite.kernels import cpu_attention
+from fdlite.layers.attention import paged_attention, reference_attention
 from test_cpu_attention_op import make_case
 
 paddle.set_device("cpu")

@@ -1,4 +1,4 @@
-"""The C++ CPU paged attention (fdlite/ops/csrc_cpu) against the Paddle-op reference (ops/attention.py).
+"""The C++ CPU paged attention (fdlite/kernels/csrc_cpu) against the Paddle-op reference (fdlite/layers/attention.py).
 
 Random caches and block tables (blocks shuffled, so a row's blocks are not contiguous), for decode
 batches, prefills after a cached prefix, chunked prefills, mixed batches, GQA group sizes 1-7, block
@@ -12,9 +12,9 @@ import numpy as np
 import paddle
 import pytest
 
-from fdlite.ops import cpu_attention
-from fdlite.ops.attention import paged_attention, reference_attention
-from fdlite.ops.forward_meta import ForwardMeta, PrefillSpan
+from fdlite.kernels import cpu_attention
+from fdlite.layers.attention import paged_attention, reference_attention
+from fdlite.layers.forward_meta import ForwardMeta, PrefillSpan
 
 paddle.set_device("cpu")
 
@@ -165,7 +165,7 @@ def test_paged_attention_uses_op_and_writes_cache():
     k_new, v_new = paddle.randn([t, 4, 32]), paddle.randn([t, 4, 32])
     kc2, vc2 = kc.clone(), vc.clone()
     got = paged_attention(q, k_new, v_new, kc, vc, meta, 32**-0.5).numpy()
-    from fdlite.ops.attention import write_kv
+    from fdlite.layers.attention import write_kv
 
     write_kv(kc2, meta, k_new)
     write_kv(vc2, meta, v_new)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from fdlite.ops.allreduce import custom_all_reduce as car
+from fdlite.kernels.allreduce import custom_all_reduce as car
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADER = ROOT / "fdlite" / "ops" / "csrc" / "custom_all_reduce_capi.h"
+HEADER = ROOT / "fdlite" / "kernels" / "csrc" / "custom_all_reduce_capi.h"
 
 
 # --- the C header and the ctypes table ------------------------------------------------

@@ -1,4 +1,4 @@
-"""CPU-side tests of fdlite's GPU ops (fdlite/ops/csrc/ops_*.cu, fdlite/ops/gpu): no GPU needed.
+"""CPU-side tests of fdlite's GPU ops (fdlite/kernels/csrc/ops_*.cu, fdlite/kernels/gpu.py): no GPU needed.
 
 The kernels themselves run on the GPU machine (tools/gpu/run_ops_tests.sh, results in
 docs/benchmarks.md). Here: every Python wrapper calls an op that a PD_BUILD_OP defines, with the
@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdlite.ops import random as noise
-from fdlite.ops.gpu import build, sampling_ref
+from fdlite.sample import random as noise
+from fdlite.kernels import build
+from fdlite.sample import sampling_ref
 
 ROOT = Path(__file__).resolve().parent.parent
-CSRC = ROOT / "fdlite" / "ops" / "csrc"
-WRAPPERS = ROOT / "fdlite" / "ops" / "gpu" / "__init__.py"
+CSRC = ROOT / "fdlite" / "kernels" / "csrc"
+WRAPPERS = ROOT / "fdlite" / "kernels" / "gpu.py"
 
 
 # --- the ops the sources define vs the calls the wrappers make ------------------------------
@@ -124,7 +125,7 @@ def test_noise_depends_on_seed_position_and_round_only():
 
 def test_reference_thresholds_keep_what_the_cpu_sampler_keeps():
     paddle = pytest.importorskip("paddle")
-    from fdlite.ops.sampler import Sampler, SamplingBatch
+    from fdlite.sample.sampler import Sampler, SamplingBatch
 
     rng = np.random.default_rng(3)
     rows, vocab = 40, 3000
@@ -228,7 +229,7 @@ def test_gpu_ops_compile_for_sm90_against_paddle_headers():
 
 def test_wrappers_refuse_cpu_tensors_and_checks_can_be_turned_off():
     paddle = pytest.importorskip("paddle")
-    import fdlite.ops.gpu as G
+    import fdlite.kernels.gpu as G
 
     x = paddle.ones([2, 8])
     with pytest.raises(G.GpuOpsError, match="must be on the GPU"):

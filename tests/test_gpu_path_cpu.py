@@ -18,8 +18,8 @@ import gpu_emulator
 from fdlite import LLM, SamplingParams
 from fdlite.config import EngineConfig
 from fdlite.graph import static_graph
-from fdlite.ops import platform
-from fdlite.ops.norm import RMSNorm
+from fdlite.kernels import platform
+from fdlite.layers.norm import RMSNorm
 from fdlite.runner import model_runner
 
 COMMON = dict(skip_tokenizer_init=True, max_num_seqs=4, block_size=16, max_model_len=256,
@@ -131,7 +131,7 @@ def test_emulated_gpu_path_stores_linear_weights_out_in_from_either_checkpoint_l
     Hugging Face ([out, in]) and a Paddle ([in, out], fused names) checkpoint alike, with the CPU's tokens."""
     from hf_models import save_paddle_layout
 
-    from fdlite.ops.linear import Linear
+    from fdlite.layers.linear import Linear
 
     paddle_dir = save_paddle_layout(model_dirs["ernie45"], str(tmp_path / "paddle"), "ernie.")
     want = LLM(model_dirs["ernie45"], device="cpu", **COMMON).generate(prompts(), GREEDY, use_tqdm=False)

@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 
-import fdlite.graph.cudagraph_runner as cudagraph_runner
+import fdlite.runner.cudagraph_runner as cudagraph_runner
 import fdlite.runner.model_runner as model_runner
 from fdlite import LLM, SamplingParams
 from fdlite.kvcache.device_memory import DeviceMemory

@@ -3,7 +3,7 @@
 import numpy as np
 
 from fdlite.kvcache.block_allocator import BlockAllocator, blocks_for
-from fdlite.ops.sampler import rows_to_batch, SamplingRow
+from fdlite.sample.sampler import rows_to_batch, SamplingRow
 from fdlite.runner.input_batch import InputBatch
 from fdlite.runner.sequence import Sequence
 from fdlite.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ import paddle
 import pytest
 
 from fdlite import LLM, SamplingParams
-from fdlite.ops.moe import FusedMoE, balanced_routing
+from fdlite.layers.moe import FusedMoE, balanced_routing
 from hf_models import MOE_FAMILIES, load_reference, reference_greedy, save_paddle_layout
 from test_hf_parity import mixed_prompts
 

@@ -4,8 +4,8 @@ import numpy as np
 import paddle
 import pytest
 
-from fdlite.ops.random import sequence_seed
-from fdlite.ops.sampler import (
+from fdlite.sample.random import sequence_seed
+from fdlite.sample.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRow,

@@ -256,7 +256,7 @@ def test_without_a_tokenizer_the_request_fails_alone():
 
 
 def test_bitmask_is_applied_to_its_rows_only():
-    from fdlite.ops.sampler import apply_token_bitmask
+    from fdlite.sample.sampler import apply_token_bitmask
 
     x = np.zeros((2, 70), np.float32)
     mask = np.zeros((2, 3), np.int32)

@@ -27,7 +27,7 @@ from fdlite.models import weight_loader
 from fdlite.models.model_config import ModelConfig
 from fdlite.models.registry import model_class
 from fdlite.models.tp_partition import TPPartition
-from fdlite.ops.allreduce.capture import capture_custom_allreduce
+from fdlite.kernels.allreduce.capture import capture_custom_allreduce
 from fdlite.distributed.communicator import Communicator, get_communicator, set_communicator
 from hf_models import load_reference, reference_greedy, write_random_model
 
@@ -381,7 +381,7 @@ def test_custom_all_reduce_is_wired_in_when_available(monkeypatch):
             paddle.assign(inp * 2, output=out)
             return out
 
-    from fdlite.ops.allreduce import custom_all_reduce
+    from fdlite.kernels.allreduce import custom_all_reduce
 
     # Patch the class on the real module: other tests import it, so a sys.modules stand-in would be bypassed.
     monkeypatch.setattr(custom_all_reduce, "CustomAllReduce", FakeCustomAllReduce)

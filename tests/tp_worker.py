@@ -15,7 +15,7 @@ import sys
 
 from fdlite import LLM, SamplingParams
 from fdlite.graph.static_graph import translation_count
-from fdlite.ops.allreduce import is_capturing_custom_allreduce
+from fdlite.kernels.allreduce import is_capturing_custom_allreduce
 from fdlite.distributed.communicator import Communicator
 
 ALL_REDUCES = {"total": 0, "capturing": 0}

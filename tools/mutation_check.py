@@ -132,7 +132,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "verify-never-runs",
         "verify_cudagraph is ignored: no graph is checked against the eager forward",
-        (Edit("fdlite/graph/cudagraph_runner.py",
+        (Edit("fdlite/runner/cudagraph_runner.py",
               "            if verify:\n                self.verify(size, tolerance)\n",
               "            if False:  # MUTATION\n                self.verify(size, tolerance)\n"),),
         (f"{GRAPH}::test_verify_rejects_a_graph_that_ignores_new_inputs",),
@@ -141,7 +141,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "negative-seed-abs",
         "A negative seed is folded to abs(seed) instead of seed mod 2**64 (so -k and k collide)",
-        (Edit("fdlite/ops/random.py",
+        (Edit("fdlite/sample/random.py",
               "np.asarray([seed % 2**64], np.uint64)",
               "np.asarray([abs(seed)], np.uint64)"),),
         ("tests/test_sampler.py::test_sequence_seed", "tests/test_seeded_sampling.py"),
@@ -173,10 +173,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "top-p keeps only tokens whose cumulative mass stays below p, dropping the one that crosses it",
         # Both places that apply top-p: the draw (a token is rejected when the mass strictly above it
         # reaches p) and the reference distribution `probs` (mass strictly before each sorted token).
-        (Edit("fdlite/ops/sampler.py",
+        (Edit("fdlite/sample/sampler.py",
               "        rejected = mass_above >= threshold[active[nucleus]]\n",
               "        rejected = mass_above + sp[np.arange(len(nucleus)), picked[nucleus]] >= threshold[active[nucleus]]\n"),
-         Edit("fdlite/ops/sampler.py",
+         Edit("fdlite/sample/sampler.py",
               "            keep_sorted = before < sub.top_p[:, None]",
               "            keep_sorted = before + sorted_w < sub.top_p[:, None]")),
         ("tests/test_sampler.py",),
@@ -224,7 +224,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "verify-replays-capture-inputs",
         "The CUDA-graph self-check replays on the capture's own inputs, so a stale graph passes",
-        (Edit("fdlite/graph/cudagraph_runner.py",
+        (Edit("fdlite/runner/cudagraph_runner.py",
               "        batch = self.dummy_batch(size, seed=10_000 + size, worst_case=False)\n",
               "        batch = self.dummy_batch(size, seed=size, worst_case=True)  # MUTATION\n"),),
         (f"{GRAPH}::test_verify_rejects_a_graph_that_ignores_new_inputs",),

@@ -21,7 +21,7 @@ import paddle
 
 from fdlite.distributed.parallel_state import ParallelState
 from fdlite.graph.graph_break import opaque_to_sot
-from fdlite.ops.allreduce.capture import register_capture_participant, unregister_capture_participant
+from fdlite.kernels.allreduce.capture import register_capture_participant, unregister_capture_participant
 
 logger = logging.getLogger("fdlite")
 
@@ -61,7 +61,7 @@ class Communicator:
         if self.world_size > 1 and not self.agree(reason is None):
             reason = reason or "another rank cannot use it"
         elif reason is None:
-            from fdlite.ops.allreduce.custom_all_reduce import CustomAllReduce
+            from fdlite.kernels.allreduce.custom_all_reduce import CustomAllReduce
 
             try:
                 exchange = self.all_gather_bytes if self.world_size > 1 else None
@@ -83,9 +83,9 @@ class Communicator:
         if self.device != "gpu":
             return f"it is GPU-only (device here: {self.device})"
         try:
-            from fdlite.ops.allreduce import custom_all_reduce as mod
+            from fdlite.kernels.allreduce import custom_all_reduce as mod
         except ImportError as e:
-            return f"fdlite.ops.allreduce.custom_all_reduce is not in this build ({e})"
+            return f"fdlite.kernels.allreduce.custom_all_reduce is not in this build ({e})"
         if not mod.CustomAllReduce.is_available():
             why = getattr(mod, "unavailable_reason", lambda: "")()
             return "its CUDA library is not built" + (f": {why}" if why else "")

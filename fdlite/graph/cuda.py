@@ -12,7 +12,7 @@ from typing import Callable
 
 import paddle
 
-from fdlite.ops.platform import is_gpu
+from fdlite.kernels.platform import is_gpu
 
 
 def cuda_graphs_available() -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from fdlite.ops import device_tensors
+from fdlite.kernels import device_tensors
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 POISON_VALUE = 3.0e4  # finite in float16 too

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from fdlite.ops.platform import is_gpu as on_gpu
+from fdlite.kernels.platform import is_gpu as on_gpu
 
 
 @dataclass

@@ -15,7 +15,7 @@ With tensor parallelism (`TPPartition`) each rank builds the same layers at its 
 attention and KV heads, its MLP columns, its vocabulary rows (parallel_linear.py, vocab_parallel.py).
 With one rank they are the whole model and no collective runs.
 
-The model never branches on the device: every op it calls (`fdlite/ops/`: linear, embedding, norms,
+The model never branches on the device: every op it calls (`fdlite/layers/`: linear, embedding, norms,
 attention, activation, logits) chose its CPU or GPU implementation when it was built.
 """
 
@@ -32,13 +32,13 @@ from fdlite.models.model_config import ModelConfig
 from fdlite.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from fdlite.models.tp_partition import TPPartition
 from fdlite.models.vocab_parallel import ParallelLMHead
-from fdlite.ops.activation import SiluAndMul
-from fdlite.ops.attention_layer import Attention
-from fdlite.ops.embedding import VocabParallelEmbedding
-from fdlite.ops.forward_meta import ForwardMeta
-from fdlite.ops.logits import LogitsProcessor
-from fdlite.ops.norm import RMSNorm
-from fdlite.ops.rotary import RotaryEmbedding
+from fdlite.layers.activation import SiluAndMul
+from fdlite.layers.attention_layer import Attention
+from fdlite.layers.embedding import VocabParallelEmbedding
+from fdlite.layers.forward_meta import ForwardMeta
+from fdlite.layers.logits import LogitsProcessor
+from fdlite.layers.norm import RMSNorm
+from fdlite.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class DecoderForCausalLM(nn.Layer):
         with paddle.LazyGuard():
             self.model = DecoderModel(cfg, self.spec, dtype, max_positions, self.tp, self.make_mlp)
             self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, dtype, self.tp)
-        self.logits_processor = LogitsProcessor(self.lm_head, self.model.embed_tokens, self.tp)
+        self.logits_processor = LogitsProcessor(self.lm_head, self.model.embed_tokens, self.tp.vocab_size, self.tp.size)
 
     def make_mlp(self, layer_id: int) -> nn.Layer:
         """The MLP of layer `layer_id`: dense here; MoE families override it."""

@@ -7,7 +7,7 @@ float32) and Qwen3-MoE (`num_experts`, `num_experts_per_tok`, `norm_topk_prob`, 
 `decoder_sparse_step` except `mlp_only_layers`). The other layers keep a dense MLP of
 `intermediate_size`.
 
-`MoEBlock` computes the routed experts (`ops/moe.py`, one partial sum per rank), all-reduces it, and
+`MoEBlock` computes the routed experts (`fdlite/layers/moe.py`, one partial sum per rank), all-reduces it, and
 adds the shared experts (a dense MLP of `moe_intermediate_size * moe_num_shared_experts`, whose
 row-parallel down projection does its own all-reduce): two all-reduces per MoE layer under tensor
 parallelism.
@@ -24,7 +24,7 @@ from fdlite.distributed.communicator import tensor_parallel_all_reduce
 from fdlite.models.decoder import DecoderMLP
 from fdlite.models.model_config import ModelConfig
 from fdlite.models.tp_partition import TPPartition
-from fdlite.ops.moe import FusedMoE
+from fdlite.layers.moe import FusedMoE
 
 
 @dataclass(frozen=True)

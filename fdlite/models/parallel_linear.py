@@ -3,7 +3,7 @@
 A column-parallel layer holds a slice of the output columns and needs no communication; the
 row-parallel layer after it holds the matching slice of the input rows, so its matmul yields a
 partial sum that one all-reduce completes. Attention (qkv -> o_proj) and the MLP (gate_up -> down)
-thus cost one all-reduce each per layer. The matmul itself is the device's (`fdlite.ops.linear`).
+thus cost one all-reduce each per layer. The matmul itself is the device's (`fdlite.layers.linear`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import paddle
 
 from fdlite.distributed.communicator import tensor_parallel_all_reduce
-from fdlite.ops.linear import Linear
+from fdlite.layers.linear import Linear
 from fdlite.models.tp_partition import TPPartition
 
 

@@ -1,14 +1,14 @@
 """The LM head split across tensor-parallel ranks by vocabulary rows.
 
 Rank r holds vocabulary rows [r * n, (r + 1) * n) with n = ceil(vocab / tp) (`TPPartition`), like the
-embedding (`fdlite.ops.embedding`); the head computes this rank's slice of the logits and
-`fdlite.ops.logits` joins the slices. With a tied head the embedding's rows serve both.
+embedding (`fdlite.layers.embedding`); the head computes this rank's slice of the logits and
+`fdlite.layers.logits` joins the slices. With a tied head the embedding's rows serve both.
 """
 
 from __future__ import annotations
 
 from fdlite.models.tp_partition import TPPartition
-from fdlite.ops.linear import Linear
+from fdlite.layers.linear import Linear
 
 
 class ParallelLMHead(Linear):

@@ -8,7 +8,7 @@ fused tensors split into their parts), then both follow one route; shapes are ch
 checkpoint's own orientation and a mismatch names the tensor and the layout.
 
 MoE checkpoints store one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...); they are
-stacked into the [experts, in, out] parameters of `ops/moe.py`, each rank reading its columns of
+stacked into the [experts, in, out] parameters of `fdlite/layers/moe.py`, each rank reading its columns of
 every expert. ERNIE's q/k rows are reordered within each head (`_deinterleave`, see
 `DecoderSpec.rope_interleaved`).
 
@@ -43,8 +43,8 @@ from safetensors import safe_open
 
 from fdlite.models.decoder import DecoderForCausalLM
 from fdlite.models.tp_partition import TPPartition
-from fdlite.ops import platform
-from fdlite.ops.linear import Linear
+from fdlite.kernels import platform
+from fdlite.layers.linear import Linear
 
 # Tensors some exporters write that carry nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

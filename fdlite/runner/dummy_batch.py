@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fdlite.kvcache.block_allocator import blocks_for
-from fdlite.ops.forward_meta import FlatBatch
+from fdlite.layers.forward_meta import FlatBatch
 from fdlite.runner.input_batch import flat_batch
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from fdlite.config import EngineConfig
 from fdlite.kvcache.block_allocator import BlockAllocator
-from fdlite.ops.sampler import SamplerOutput
+from fdlite.sample.sampler import SamplerOutput
 from fdlite.runner.input_batch import InputBatch, StepInputs
 from fdlite.runner.model_runner import ModelRunner
 from fdlite.runner.output_processor import OutputProcessor

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from fdlite.ops import device_tensors, platform
-from fdlite.ops.forward_meta import FlatBatch, ForwardMeta
+from fdlite.kernels import device_tensors, platform
+from fdlite.layers.forward_meta import FlatBatch, ForwardMeta
 
 
 class _Buffer:
@@ -82,7 +82,7 @@ def _flush(buffers) -> None:
             sizes.append((b.hi - b.lo) * k)
             b.lo, b.hi = len(b.host), 0
     if dsts:
-        from fdlite.ops import gpu as gpu_ops  # noqa: PLC0415
+        from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
 
         gpu_ops.copy_from_host_many(dsts, srcs, sizes)
 

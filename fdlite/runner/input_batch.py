@@ -21,8 +21,8 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from fdlite.kvcache.block_allocator import blocks_for
-from fdlite.ops.forward_meta import FlatBatch, PrefillSpan
-from fdlite.ops.sampler import SamplingBatch, stop_tokens_while_short, token_counts
+from fdlite.layers.forward_meta import FlatBatch, PrefillSpan
+from fdlite.sample.sampler import SamplingBatch, stop_tokens_while_short, token_counts
 from fdlite.runner.sequence import Sequence
 
 

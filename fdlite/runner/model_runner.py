@@ -1,7 +1,7 @@
 """The model runner: builds the model, owns the KV cache, runs one step and samples.
 
 One code path for CPU and GPU: the device is the `device` option (default: Paddle's current
-device), chosen once before the model is built (`ops/platform.py`); every op then picked its
+device), chosen once before the model is built (`fdlite/kernels/platform.py`); every op then picked its
 implementation for it, and GPU-only work (CUDA graphs, CUDA memory statistics) is switched by it.
 
 With tensor parallelism one runner runs in each launched process, on its rank's slice of the model
@@ -25,19 +25,19 @@ from fdlite.models.model_config import ModelConfig
 from fdlite.models.registry import model_class
 from fdlite.models.tp_partition import TPPartition
 from fdlite.models.weight_loader import load_weights
-from fdlite.ops.forward_meta import FlatBatch
-from fdlite.ops.moe import balanced_routing
-from fdlite.ops.platform import select_device
-from fdlite.ops.sampler import Sampler, SamplerOutput
+from fdlite.layers.forward_meta import FlatBatch
+from fdlite.layers.moe import balanced_routing
+from fdlite.kernels.platform import select_device
+from fdlite.sample.sampler import Sampler, SamplerOutput
 from fdlite.graph.backend import GraphOptBackend
 from fdlite.graph.capture_sizes import decode_capture_sizes, prefill_capture_sizes
 from fdlite.kvcache.device_memory import device_memory, reset_peak_memory
 from fdlite.graph.cuda import graphs_share_pool
-from fdlite.graph.cudagraph_runner import CudaGraphRunner, cudagraph_factory
+from fdlite.runner.cudagraph_runner import CudaGraphRunner, cudagraph_factory
 from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import translation_count
 from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for
-from fdlite.ops.allreduce import capture_custom_allreduce
+from fdlite.kernels.allreduce import capture_custom_allreduce
 from fdlite.distributed.communicator import Communicator, set_communicator
 from fdlite.runner.dummy_batch import dummy_batch, even_split, small_prefill_lengths
 from fdlite.runner.forward_buffers import ForwardBuffers
@@ -280,5 +280,5 @@ class ModelRunner:
             return None
         sampled = self.sampler(logits, sampling) if self.parallel.is_driver else None
         if self.parallel.world_size > 1:
-            sampled = share_sampled_tokens(self.comm, sampled, step.sample_seqs)
+            sampled = share_sampled_tokens(self.comm, sampled, [s.params.logprobs is not None for s in step.sample_seqs])
         return sampled

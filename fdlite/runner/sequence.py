@@ -32,7 +32,7 @@ class Sequence:
     child_index: int
     prompt_token_ids: list[int]
     params: SamplingParams
-    seed: int  # 64-bit: the sampler's uniforms are a function of (seed, position) (ops/random.py)
+    seed: int  # 64-bit: the sampler's uniforms are a function of (seed, position) (fdlite/sample/random.py)
     detokenizer: object | None = None  # IncrementalDetokenizer, only for sequences with stop strings
     grammar: object | None = None  # llguidance matcher, only for structured outputs (structured/matcher.py)
     seq_id: int = field(default_factory=lambda: next(_ids))

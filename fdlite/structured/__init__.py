@@ -3,5 +3,5 @@
 `grammar.py` compiles a `StructuredOutputsParams` to llguidance's grammar text and checks it, with no
 tokenizer (so `SamplingParams` can fail at construction); `matcher.py` holds the tokenizer-bound side: one
 compiled matcher per distinct constraint, a copy per sequence, and the per-step bitmask of the constrained
-rows. The sampler applies the bitmask (`ops/sampler.py`, `apply_token_bitmask`).
+rows. The sampler applies the bitmask (`fdlite/sample/sampler.py`, `apply_token_bitmask`).
 """

@@ -19,7 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from fdlite.sampling_params import SamplingParams
 from fdlite.structured.grammar import compile_grammar
 
 logger = logging.getLogger("fdlite")
@@ -32,7 +31,10 @@ def bitmask_width(vocab_size: int) -> int:
 
 class StructuredOutputs:
     """Matchers for one engine's requests: the llguidance tokenizer (built on first use, about 2 s for a
-    150k vocabulary) and a compiled template per distinct constraint."""
+    150k vocabulary) and a compiled template per distinct constraint.
+
+    Methods take a request's `SamplingParams` (only its `structured_outputs` is read); it is not imported
+    here because `sampling_params` validates constraints with `structured.grammar`."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
         self.tokenizer = tokenizer
@@ -54,7 +56,7 @@ class StructuredOutputs:
             logger.info("structured outputs: tokenizer ready in %.2f s", time.perf_counter() - t0)
         return self._ll_tokenizer
 
-    def _template(self, params: SamplingParams):
+    def _template(self, params):
         so = params.structured_outputs
         template = self._templates.get(so.key)
         if template is None:
@@ -67,7 +69,7 @@ class StructuredOutputs:
             self.num_compiled += 1
         return template
 
-    def problem(self, params: SamplingParams) -> str | None:
+    def problem(self, params) -> str | None:
         """Why a request with this constraint cannot run here (None if it can); compiles it once."""
         if params.structured_outputs is None:
             return None
@@ -79,7 +81,7 @@ class StructuredOutputs:
             return str(e)
         return None
 
-    def new_matcher(self, params: SamplingParams):
+    def new_matcher(self, params):
         """A fresh matcher for one sequence (None for an unconstrained request)."""
         if params.structured_outputs is None:
             return None

@@ -1,7 +1,7 @@
-"""GPU test and benchmark harness for fdlite's custom all-reduce (fdlite/ops/csrc).
+"""GPU test and benchmark harness for fdlite's custom all-reduce (fdlite/kernels/csrc).
 
 Hand-written and framework-neutral on purpose: it drives the library through its C
-ABI (fdlite.ops.allreduce.custom_all_reduce, ctypes) with PyTorch buffers, because no
+ABI (fdlite.kernels.allreduce.custom_all_reduce, ctypes) with PyTorch buffers, because no
 Paddle GPU build runs on the sm_90 machines we test on. PyTorch also gives NCCL as
 the reference.
 
@@ -40,12 +40,12 @@ import torch
 
 
 def _load_car():
-    """fdlite/ops/allreduce/custom_all_reduce.py by path: importing the fdlite package
+    """fdlite/kernels/allreduce/custom_all_reduce.py by path: importing the fdlite package
     would import Paddle, which the GPU machine does not have (and needs not)."""
     import importlib.util
 
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "..", "fdlite", "ops", "allreduce", "custom_all_reduce.py")
+    path = os.path.join(here, "..", "..", "fdlite", "kernels", "allreduce", "custom_all_reduce.py")
     spec = importlib.util.spec_from_file_location("fdlite_custom_all_reduce", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # spawned dist workers unpickle against this name

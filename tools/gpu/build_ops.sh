@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Builds libfdlite_allreduce.so (the C ABI of fdlite/ops/csrc) with the local nvcc, then, when
-# a CUDA build of Paddle imports, libfdlite_gpu_ops.so (the forward's ops, fdlite/ops/csrc/ops_*.cu) through
-# fdlite/ops/gpu/build.py into the same directory (FDLITE_GPU_OPS_LIB=<dir>/libfdlite_gpu_ops.so
+# Builds libfdlite_allreduce.so (the C ABI of fdlite/kernels/csrc) with the local nvcc, then, when
+# a CUDA build of Paddle imports, libfdlite_gpu_ops.so (the forward's ops, fdlite/kernels/csrc/ops_*.cu) through
+# fdlite/kernels/build.py into the same directory (FDLITE_GPU_OPS_LIB=<dir>/libfdlite_gpu_ops.so
 # then skips fdlite's own build cache).
 # Works on a machine without a GPU too (compile check); the GPU run uses the same script.
-#   tools/gpu/build_ops.sh [OUT_DIR]      (default: fdlite/ops/lib)
+#   tools/gpu/build_ops.sh [OUT_DIR]      (default: fdlite/kernels/lib)
 # GPU_OPS=0 skips the forward's ops, GPU_OPS=1 requires them (default: build them if a CUDA Paddle imports).
 # Env: NVCC (default nvcc), FDAR_ARCH (default 90: -gencode arch=compute_90,code=sm_90),
 #      FDAR_DEBUG=1 adds a 20 s spin timeout that traps instead of hanging on a lost peer.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-SRC=fdlite/ops/csrc
-OUT=${1:-fdlite/ops/lib}
+SRC=fdlite/kernels/csrc
+OUT=${1:-fdlite/kernels/lib}
 NVCC=${NVCC:-nvcc}
 ARCH=${FDAR_ARCH:-90}
 mkdir -p "$OUT"
@@ -32,7 +32,7 @@ set +x
 GPU_OPS=${GPU_OPS:-auto}
 if [[ "$GPU_OPS" != 0 ]]; then
   if python3 -c "import paddle, sys; sys.exit(not paddle.is_compiled_with_cuda())" >/dev/null 2>&1; then
-    python3 fdlite/ops/gpu/build.py --out "$OUT" --force --verbose
+    python3 fdlite/kernels/build.py --out "$OUT" --force --verbose
   elif [[ "$GPU_OPS" == 1 ]]; then
     echo "GPU_OPS=1 but no CUDA build of Paddle imports: cannot build libfdlite_gpu_ops.so" >&2; exit 1
   else

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles fdlite/ops/csrc/paddle_binding.cc to an object with PADDLE_WITH_CUDA defined,
+# Compiles fdlite/kernels/csrc/paddle_binding.cc to an object with PADDLE_WITH_CUDA defined,
 # the configuration of a paddlepaddle-gpu build, against Paddle's C++ headers.
 # Paddle's headers with CUDA on include cuBLAS/cuBLASLt, cuDNN, cuFFT, cuRAND, cuSPARSE
 # and cuSOLVER headers; the CUDA pip wheels that PyTorch installs carry them, so this
@@ -23,7 +23,7 @@ for d in "${CUDA_HOME:-}" /usr/local/cuda "$(dirname "$(dirname "$(readlink -f "
 done
 INCS=(-I"$P" -I"$P/third_party" -I"$P/paddle/phi/api/include/compat"
       -I"$P/paddle/phi/api/include/compat/torch/csrc/api/include" -I"$PY_INC"
-      -I"$CUDA_INC" -I"$CUDA_INC/cccl" -Ifdlite/ops/csrc)
+      -I"$CUDA_INC" -I"$CUDA_INC/cccl" -Ifdlite/kernels/csrc)
 # Library headers from the nvidia-* wheels (cublas, cudnn, cufft, curand, cusparse, cusolver).
 SITE=$(python3 -c "import site; print(site.getsitepackages()[0])")
 while IFS= read -r d; do INCS+=(-I"$d"); done < <(find "$SITE/nvidia" -maxdepth 3 -type d -name include 2>/dev/null)
@@ -31,7 +31,7 @@ ls "$PY_INC/Python.h" >/dev/null
 set -x
 g++ -std=c++17 -O2 -fPIC -c -DPADDLE_WITH_CUDA -DPADDLE_WITH_CUSTOM_KERNEL \
   -DPADDLE_EXTENSION_NAME=fdlite_ops -D_GLIBCXX_USE_CXX11_ABI=1 -w "${INCS[@]}" \
-  fdlite/ops/csrc/paddle_binding.cc -o /tmp/paddle_binding_cuda.o
+  fdlite/kernels/csrc/paddle_binding.cc -o /tmp/paddle_binding_cuda.o
 set +x
 echo "paddle_binding.cc compiled with PADDLE_WITH_CUDA: $(stat -c %s /tmp/paddle_binding_cuda.o) bytes"
 echo "undefined Paddle symbols it expects from a GPU libpaddle.so:"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles every GPU op source (fdlite/ops/csrc/ops_*.cu) for sm_90 with PADDLE_WITH_CUDA, once
+# Compiles every GPU op source (fdlite/kernels/csrc/ops_*.cu) for sm_90 with PADDLE_WITH_CUDA, once
 # against each Paddle include directory given, without a GPU, without importing Paddle, without
 # linking: the local check before any device time is spent.
 #   tools/gpu/compile_check.sh [PADDLE_INCLUDE ...]
@@ -24,6 +24,6 @@ rc=0
 for inc in "${incs[@]}"; do
   echo "== $inc"
   # build.py is run as a script: no import of the fdlite package (and so of Paddle) is needed.
-  "$PY" fdlite/ops/gpu/build.py --compile-only "$inc" || rc=1
+  "$PY" fdlite/kernels/build.py --compile-only "$inc" || rc=1
 done
 exit $rc

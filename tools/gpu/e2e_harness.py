@@ -342,8 +342,8 @@ def section_hf_bench():
 def decode_flat(b: int, ctx: int, bs: int, num_blocks: int, rng):
     """A decode batch of b rows, each at position ctx - 1 over its own blocks (timing only: the KV is whatever
     the cache holds)."""
-    from fdlite.ops.forward_meta import FlatBatch  # noqa: PLC0415
-    from fdlite.ops.sampler import SamplingBatch  # noqa: PLC0415
+    from fdlite.layers.forward_meta import FlatBatch  # noqa: PLC0415
+    from fdlite.sample.sampler import SamplingBatch  # noqa: PLC0415
 
     nb = ctx // bs + 1
     tables = (np.arange(b * nb, dtype=np.int32).reshape(b, nb)) % num_blocks
@@ -371,7 +371,7 @@ def _median_ms(fn, n=25, warm=5) -> float:
 def _gpu_ms(fn, n=25, warm=5) -> float:
     """Median GPU time of fn()'s work in ms: our cudaEvents on Paddle's current stream (Paddle 2.6's
     Event.elapsed_time is a stub), n calls, the first `warm` not counted."""
-    from fdlite.ops import gpu as gpu_ops  # noqa: PLC0415
+    from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
 
     capi, stream = gpu_ops.capi(), gpu_ops.current_stream_handle()
     if "events" not in _EVENTS:
@@ -395,7 +395,7 @@ def section_diag():
     import paddle  # noqa: PLC0415
 
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
-    from fdlite.ops import gpu as gpu_ops  # noqa: PLC0415
+    from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
 
     state = {}
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Device-side checks and micro-benchmarks of fdlite's GPU ops (fdlite/ops/csrc/ops_*.cu).
+"""Device-side checks and micro-benchmarks of fdlite's GPU ops (fdlite/kernels/csrc/ops_*.cu).
 
 Runs on the GPU machine under Paddle 2.6.2 (PyPI's only GPU wheel: host framework only, its own
 kernels do nothing on sm_90), after tools/gpu/run_ops_tests.sh has staged Paddle. Every op is
@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-# Import fdlite.ops.gpu without running fdlite/__init__.py (the engine, tokenizers...): stub packages.
-for _name, _path in (("fdlite", ROOT / "fdlite"), ("fdlite.ops", ROOT / "fdlite" / "ops")):
+# Import fdlite.kernels.gpu without running fdlite/__init__.py (the engine, tokenizers...): stub packages.
+for _name, _path in (("fdlite", ROOT / "fdlite"), ("fdlite.kernels", ROOT / "fdlite" / "kernels"),
+                     ("fdlite.sample", ROOT / "fdlite" / "sample")):
     if _name not in sys.modules:
         _m = types.ModuleType(_name)
         _m.__path__ = [str(_path)]
@@ -71,7 +72,7 @@ def check(name, fn):
 
 
 # ------------------------------------------------------------------ build + load
-from fdlite.ops.gpu import build as gbuild  # noqa: E402
+from fdlite.kernels import build as gbuild  # noqa: E402
 
 t = time.time()
 LIB = ARGS.lib or gbuild.build(verbose=False)
@@ -89,9 +90,9 @@ t = time.time()
 import paddle  # noqa: E402
 
 paddle.set_device("gpu")
-import fdlite.ops.gpu as G  # noqa: E402
-from fdlite.ops import random as noise  # noqa: E402
-from fdlite.ops.gpu import sampling_ref  # noqa: E402
+import fdlite.kernels.gpu as G  # noqa: E402
+from fdlite.sample import random as noise  # noqa: E402
+from fdlite.sample import sampling_ref  # noqa: E402
 
 G.load(LIB)
 RES["info"]["import_and_register_s"] = round(time.time() - t, 1)
@@ -708,7 +709,7 @@ def t_uniform():
     for rnd in (0, 1, 7):
         got = to_np(G.uniform(to_gpu(seeds, "int64"), to_gpu(pos, "int64"), rnd))
         ok &= np.array_equal(got, noise.uniforms(seeds, pos, rnd, np.float32))
-    return bool(ok), 0.0 if ok else math.inf, 0, "bit-exact vs fdlite.ops.random.uniforms(float32) for rounds 0, 1, 7"
+    return bool(ok), 0.0 if ok else math.inf, 0, "bit-exact vs fdlite.sample.random.uniforms(float32) for rounds 0, 1, 7"
 
 
 check("uniform (counter-based noise) GPU == numpy", t_uniform)

@@ -16,7 +16,7 @@ LOG=$OUT/e2e_log.txt
 filter() { grep -v -E "compute capability|Please NOTE: device|has been registered|^W[0-9]{4} "; }
 machine_header 2>&1 | filter | tee -a "$LOG"
 t0=$SECONDS
-lib=$(python3 fdlite/ops/gpu/build.py 2>>"$LOG") || { echo "ops build failed" | tee -a "$LOG"; tail -30 "$LOG"; exit 1; }
+lib=$(python3 fdlite/kernels/build.py 2>>"$LOG") || { echo "ops build failed" | tee -a "$LOG"; tail -30 "$LOG"; exit 1; }
 export FDLITE_GPU_OPS_LIB=$lib
 echo "ops library $lib built or cached in $((SECONDS - t0)) s" | tee -a "$LOG"
 cp "$(dirname "$lib")/ptxas_report.txt" "$OUT/" 2>/dev/null || true

@@ -1,0 +1,639 @@
+// Paged attention over a flat varlen batch that mixes decodes and prefills (prefix-cached or
+// chunked prefills read their earlier blocks like any other context), reading FastDeploy's cache
+// layout [num_blocks + 1, kv_heads, block_size, head_dim] through per-row block tables.
+//
+// Why hand-written: Paddle's fused attention kernels are not in PyPI's paddlepaddle-gpu for sm_90
+// (no Paddle kernel runs there; see ops_common.cuh), and the CPU reference (fdlite/layers/attention.py)
+// gathers whole contexts. Design after vLLM's paged attention v2 (split-KV + reduction for decode)
+// and FlashAttention's online softmax for the query tiles; no code copied.
+//
+// Inputs (all contiguous, on the GPU):
+//   q [T, h, d]; k_cache / v_cache as above; block_tables [B, max_blocks] int32;
+//   seq_lens_kv [B] int32: KV length of each row after this step's tokens were written;
+//   cu_seqlens_q [B + 1] int32: row r's query tokens are [cu[r], cu[r + 1]).
+// Token i of row r sits at position seq_lens_kv[r] - q_len_r + i and attends to positions <= its
+// own; query head k reads KV head k / (h / kvh). Output [T, h * d] in q's dtype. Tokens outside
+// every row, and rows with nothing to attend to (seq_lens_kv 0), get zeros and read no cache.
+//
+// Two kernels, both always launched with grids that depend only on shapes and attributes (so a
+// captured graph replays for any batch content):
+//  - per-token ("decode") kernel, grid (T, kvh, splits): tokens of rows with q_len <= 4. One block
+//    holds the h / kvh query heads of one KV head, so each K/V byte is read once per KV head;
+//    long contexts are split across blocks, and the last block of each (token, KV head) to finish
+//    merges the splits (a self-resetting counter: no second kernel to launch and wait for).
+//  - tile ("prefill") kernel, grid (ceil(T / tile_tokens), kvh): each block takes a fixed slice of
+//    the flat token axis and works through the row segments inside it (rows with q_len > 4), 64
+//    query rows (token x head) against 32-key chunks, so K/V are read once per tile, not per token.
+// Both stream K/V chunks through shared memory with cp.async double buffering and keep the online
+// softmax in float32 (scores in log2 units, exp2).
+#include <math_constants.h>
+
+#include <mutex>
+
+#include "ops_common.cuh"
+
+namespace fdl {
+namespace {
+
+constexpr int kDecodeMaxQ = 4;  // rows with q_len <= this take the per-token kernel
+constexpr int KC = 32;          // keys per chunk
+constexpr int NT = 128;         // threads per block
+constexpr int MAXG = 16;        // query heads per KV head supported by the per-token kernel
+constexpr int BM = 64;          // query rows (token x head) per tile in the tile kernel
+
+struct Args {
+  const void* q;
+  const void* kc;
+  const void* vc;
+  const int* block_tables;
+  const int* seq_lens;
+  const int* cu;
+  void* out;
+  float* part_o;   // [splits, T, h, d]
+  float2* part_ml; // [splits, T, h]: running max (log2 units) and sum
+  int* counters;   // [T * kvh] finished splits per (token, KV head); zero between calls
+  int64_t T;
+  int B, max_blocks, h, kvh, g, bs, splits;
+  float scale_log2;
+};
+
+// Largest r in [0, B) with cu[r] <= t (the row holding token t, given cu[0] <= t < cu[B]).
+__device__ __forceinline__ int find_row(const int* cu, int B, int64_t t) {
+  int lo = 0, hi = B - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (cu[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+
+template <typename T, int D>
+struct Layout {
+  static constexpr int VE = 16 / sizeof(T);  // elements per 16-byte vector
+  static constexpr int VPR = D / VE;         // vectors per key row
+  static constexpr int ROW = D + VE;         // padded smem row (elements): spreads rows over banks
+  static constexpr int KV_ELEMS = 2 * KC * ROW;  // one buffer of K (or V)
+};
+
+// Cache rows of the keys this thread copies for the chunk starting at k0 (-1: past k_end). Split
+// from the copy itself so the block-table reads for chunk c + 2 are in flight while chunk c is
+// computed (otherwise every chunk waits for a dependent block-table load before its copies).
+template <typename T, int D>
+struct ChunkRows {
+  static constexpr int N = KC * Layout<T, D>::VPR / NT;  // 16-byte copies per thread per chunk
+  static_assert(KC * Layout<T, D>::VPR % NT == 0, "chunk must split evenly over the block");
+  int row[N];  // cache row index (fits 32 bits: ~2e9 rows of head_dim)
+
+  __device__ __forceinline__ void compute(const int* btab, int kvh, int j, int bs, int k0, int k_end) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const int kk = k0 + (int)(threadIdx.x + n * NT) / Layout<T, D>::VPR;
+      row[n] = kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+    }
+  }
+
+  // Keys [k0, k0 + KC) into smem K / V buffers; rows past the end are zero-filled (read nothing).
+  __device__ __forceinline__ void issue(T* ks, T* vs, const T* kc, const T* vc) const {
+    using L = Layout<T, D>;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const int i = threadIdx.x + n * NT;
+      const int kr = i / L::VPR, c = i - kr * L::VPR;
+      const bool valid = row[n] >= 0;
+      const T* sk = valid ? kc + (int64_t)row[n] * D + c * L::VE : kc;
+      const T* sv = valid ? vc + (int64_t)row[n] * D + c * L::VE : vc;
+      cp_async16(ks + kr * L::ROW + c * L::VE, sk, valid);
+      cp_async16(vs + kr * L::ROW + c * L::VE, sv, valid);
+    }
+    cp_async_commit();
+  }
+};
+
+// ------------------------------------------------------------------ per-token kernel
+// Per-token kernel smem: q [g][d] f32 | scores [g][KC] f32 | max, sum, rescale [g] f32 | K | V.
+template <int D>
+__host__ __device__ inline size_t decode_kv_offset(int g) {
+  return ((size_t)g * D * 4 + (size_t)g * KC * 4 + 3 * (size_t)g * 4 + 15) / 16 * 16;
+}
+
+template <typename T, int D>
+size_t decode_smem(int g) {
+  using L = Layout<T, D>;
+  return decode_kv_offset<D>(g) + 2 * (size_t)L::KV_ELEMS * sizeof(T);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
+  pdl_trigger();
+  pdl_wait();
+  using L = Layout<T, D>;
+  constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
+  const int64_t t = blockIdx.x;
+  const int j = blockIdx.y, s = blockIdx.z, g = a.g;
+  const int total = a.cu[a.B];
+  int r = -1, q_len = 0, kv_len = 0, qi = 0;
+  if (t < total) {
+    r = find_row(a.cu, a.B, t);
+    q_len = a.cu[r + 1] - a.cu[r];
+    if (q_len > kDecodeMaxQ) return;  // the tile kernel owns this token
+    kv_len = a.seq_lens[r];
+    qi = (int)(t - a.cu[r]);
+  }
+  const int limit = r < 0 ? 0 : max(0, min(kv_len, kv_len - q_len + qi + 1));
+  int per = (limit + a.splits - 1) / a.splits;
+  per = (per + KC - 1) / KC * KC;
+  const int k0 = min(limit, s * per), k1 = min(limit, k0 + per);
+
+  extern __shared__ float4 smem4[];
+  float* qs = reinterpret_cast<float*>(smem4);
+  float* S = qs + g * D;
+  float* m_s = S + g * KC;
+  float* l_s = m_s + g;
+  float* al_s = l_s + g;
+  T* kbuf = reinterpret_cast<T*>(reinterpret_cast<char*>(smem4) + decode_kv_offset<D>(g));
+  T* vbuf = kbuf + L::KV_ELEMS;
+
+  const T* q = static_cast<const T*>(a.q) + (t * a.h + (int64_t)j * g) * D;
+  for (int i = threadIdx.x; i < g * D; i += NT) qs[i] = to_f<T>(q[i]) * a.scale_log2;
+  for (int i = threadIdx.x; i < g; i += NT) {
+    m_s[i] = -CUDART_INF_F;
+    l_s[i] = 0.f;
+  }
+  const int* btab = r < 0 ? a.block_tables : a.block_tables + (int64_t)r * a.max_blocks;
+  const T* kc = static_cast<const T*>(a.kc);
+  const T* vc = static_cast<const T*>(a.vc);
+  const int nchunks = k1 > k0 ? (k1 - k0 + KC - 1) / KC : 0;
+  ChunkRows<T, D> rows;  // addresses of the next chunk to issue
+  if (nchunks > 0) {
+    rows.compute(btab, a.kvh, j, a.bs, k0, k1);
+    rows.issue(kbuf, vbuf, kc, vc);
+    if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, k0 + KC, k1);
+  }
+
+  float acc[NI][2];
+#pragma unroll
+  for (int n = 0; n < NI; ++n) acc[n][0] = acc[n][1] = 0.f;
+  const int P = g * KC;
+  const int tpp = P >= NT ? 1 : (P * 2 == NT ? 2 : (P * 4 == NT ? 4 : 1));  // threads per (head, key) dot
+  const int sub = threadIdx.x % tpp;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int items = g * D / 2;
+
+  for (int c = 0; c < nchunks; ++c) {
+    cp_async_wait_all();
+    __syncthreads();  // chunk c landed; every thread is done with chunk c - 1
+    const int kb = k0 + c * KC;
+    if (c + 1 < nchunks) {
+      rows.issue(kbuf + ((c + 1) & 1) * KC * L::ROW, vbuf + ((c + 1) & 1) * KC * L::ROW, kc, vc);
+      if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * KC, k1);
+    }
+    const T* ks = kbuf + (c & 1) * KC * L::ROW;
+    const T* vs = vbuf + (c & 1) * KC * L::ROW;
+    // scores S[head][key] (log2 units)
+    for (int pr = threadIdx.x / tpp; pr < P; pr += NT / tpp) {
+      const int hh = pr / KC, key = pr - hh * KC;
+      const float* qv = qs + hh * D;
+      const T* kr = ks + key * L::ROW;
+      float dot = 0.f;
+      for (int v = sub; v < L::VPR; v += tpp) {
+        const Vec<T, L::VE> kv = *reinterpret_cast<const Vec<T, L::VE>*>(kr + v * L::VE);
+#pragma unroll
+        for (int e = 0; e < L::VE; ++e) dot += qv[v * L::VE + e] * to_f<T>(kv.v[e]);
+      }
+      for (int o = 1; o < tpp; o <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (sub == 0) S[pr] = kb + key < k1 ? dot : -CUDART_INF_F;
+    }
+    __syncthreads();
+    // online softmax, one warp per head (KC == 32: one key per lane)
+    for (int hh = warp; hh < g; hh += NT / 32) {
+      const float sv = S[hh * KC + lane];
+      const float m_old = m_s[hh];
+      const float m_new = fmaxf(m_old, warp_max(sv));
+      const float p = m_new == -CUDART_INF_F ? 0.f : exp2f(sv - m_new);
+      const float sum = warp_sum(p);
+      S[hh * KC + lane] = p;
+      if (lane == 0) {
+        const float al = m_new == -CUDART_INF_F ? 1.f : exp2f(m_old - m_new);
+        al_s[hh] = al;
+        l_s[hh] = l_s[hh] * al + sum;
+        m_s[hh] = m_new;
+      }
+    }
+    __syncthreads();
+    // acc = acc * alpha + P V
+#pragma unroll
+    for (int n = 0; n < NI; ++n) {
+      const int it = threadIdx.x + n * NT;
+      if (it < items) {
+        const int hh = it / (D / 2), dp = it - hh * (D / 2);
+        const float al = al_s[hh];
+        float a0 = acc[n][0] * al, a1 = acc[n][1] * al;
+        const float* pr = S + hh * KC;
+#pragma unroll 8
+        for (int k = 0; k < KC; ++k) {
+          const T* vv = vs + k * L::ROW + dp * 2;
+          const float p = pr[k];
+          a0 += p * to_f<T>(vv[0]);
+          a1 += p * to_f<T>(vv[1]);
+        }
+        acc[n][0] = a0;
+        acc[n][1] = a1;
+      }
+    }
+  }
+  __syncthreads();  // m_s / l_s final (nchunks may be 0)
+#pragma unroll
+  for (int n = 0; n < NI; ++n) {
+    const int it = threadIdx.x + n * NT;
+    if (it < items) {
+      const int hh = it / (D / 2), dp = it - hh * (D / 2);
+      const int64_t head = (int64_t)j * g + hh;
+      if (a.splits == 1) {
+        const float l = l_s[hh];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        T* o = static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2;
+        o[0] = from_f<T>(acc[n][0] * inv);
+        o[1] = from_f<T>(acc[n][1] * inv);
+      } else {
+        const int64_t base = ((int64_t)s * a.T + t) * a.h + head;
+        *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(acc[n][0], acc[n][1]);
+        if (dp == 0) a.part_ml[base] = make_float2(m_s[hh], l_s[hh]);
+      }
+    }
+  }
+  if (a.splits == 1) return;
+
+  // The last block of (t, j) to get here merges the splits:
+  // out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the counter for the next call.
+  __shared__ int is_last;
+  __threadfence();  // this block's partials are visible before the count says so
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* c = a.counters + t * a.kvh + j;
+    is_last = atomicAdd(c, 1) == a.splits - 1;
+    if (is_last) *c = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  float* w_s = reinterpret_cast<float*>(kbuf);  // [g][splits] weights (the K/V buffers are free now)
+  for (int hh = warp; hh < g; hh += NT / 32) {
+    const int64_t head = (int64_t)j * g + hh;
+    float m[2], l[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int sp = lane + 32 * u;
+      const float2 ml = sp < a.splits ? __ldcg(a.part_ml + ((int64_t)sp * a.T + t) * a.h + head)
+                                      : make_float2(-CUDART_INF_F, 0.f);
+      m[u] = ml.x;
+      l[u] = ml.y;
+    }
+    const float M = warp_max(fmaxf(m[0], m[1]));
+    float L = 0.f;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int sp = lane + 32 * u;
+      const float w = M == -CUDART_INF_F ? 0.f : exp2f(m[u] - M);  // 0 for empty splits (m = -inf)
+      if (sp < a.splits) w_s[hh * a.splits + sp] = w;
+      L += l[u] * w;
+    }
+    L = warp_sum(L);
+    if (lane == 0) al_s[hh] = L > 0.f ? 1.f / L : 0.f;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < NI; ++n) {
+    const int it = threadIdx.x + n * NT;
+    if (it < items) {
+      const int hh = it / (D / 2), dp = it - hh * (D / 2);
+      const int64_t head = (int64_t)j * g + hh;
+      float o0 = 0.f, o1 = 0.f;
+      for (int sp = 0; sp < a.splits; ++sp) {
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(a.part_o + (((int64_t)sp * a.T + t) * a.h + head) * D) + dp);
+        const float w = w_s[hh * a.splits + sp];
+        o0 += v.x * w;
+        o1 += v.y * w;
+      }
+      const float inv = al_s[hh];
+      T* o = static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2;
+      o[0] = from_f<T>(o0 * inv);
+      o[1] = from_f<T>(o1 * inv);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ tile kernel
+template <typename T, int D>
+struct TileLayout {
+  static constexpr int QROW = D + 4;   // float row of the Q tile
+  static constexpr int PROW = KC + 4;  // float row of the probability tile
+  static constexpr size_t kv_offset = ((size_t)BM * QROW * 4 + (size_t)BM * PROW * 4 + 15) / 16 * 16;
+  static constexpr size_t bytes = kv_offset + 2 * (size_t)Layout<T, D>::KV_ELEMS * sizeof(T);
+};
+
+// Thread (rg, kg): query rows rg*4 .. rg*4+3 of the tile; keys kg + 8 kk of each chunk (scores);
+// output dims kg*4 + 32 jj + e (P V). rg = warp * 4 + lane / 8, kg = lane % 8.
+template <typename T, int D>
+__device__ void tile_segment(const Args& a, float* smem, int r, int64_t ts, int64_t te) {
+  using L = Layout<T, D>;
+  using TL = TileLayout<T, D>;
+  constexpr int DJ = D / 32;  // 4-dim groups per thread
+  const int j = blockIdx.y, g = a.g;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rg = warp * 4 + (lane >> 3), kg = lane & 7;
+  const int row_start = a.cu[r], q_len = a.cu[r + 1] - row_start, kv_len = a.seq_lens[r];
+  const int ntok = (int)(te - ts), M = ntok * g;
+  const int pos0 = kv_len - q_len + (int)(ts - row_start);  // position of the segment's first token
+  const int kv_end = max(0, min(kv_len, pos0 + ntok));
+
+  float* Qs = smem;
+  float* Ps = Qs + BM * TL::QROW;
+  T* kbuf = reinterpret_cast<T*>(reinterpret_cast<char*>(smem) + TL::kv_offset);
+  T* vbuf = kbuf + L::KV_ELEMS;
+
+  __syncthreads();  // the previous segment is done with smem
+  const T* q = static_cast<const T*>(a.q);
+  for (int i = threadIdx.x; i < BM * D; i += NT) {
+    const int m = i / D, dd = i - m * D;
+    float v = 0.f;
+    if (m < M) {
+      const int tok = m / g, hh = m - tok * g;
+      v = to_f<T>(q[((ts + tok) * a.h + (int64_t)j * g + hh) * D + dd]) * a.scale_log2;
+    }
+    Qs[m * TL::QROW + dd] = v;
+  }
+  int qpos[4];
+#pragma unroll
+  for (int rr = 0; rr < 4; ++rr) {
+    const int m = rg * 4 + rr;
+    qpos[rr] = m < M ? pos0 + m / g : -1;  // -1: padding row, sees nothing
+  }
+  float mx[4], lsum[4], acc[4][DJ * 4];
+#pragma unroll
+  for (int rr = 0; rr < 4; ++rr) {
+    mx[rr] = -CUDART_INF_F;
+    lsum[rr] = 0.f;
+#pragma unroll
+    for (int e = 0; e < DJ * 4; ++e) acc[rr][e] = 0.f;
+  }
+  const int* btab = a.block_tables + (int64_t)r * a.max_blocks;
+  const T* kc = static_cast<const T*>(a.kc);
+  const T* vc = static_cast<const T*>(a.vc);
+  const int nchunks = (kv_end + KC - 1) / KC;
+  ChunkRows<T, D> rows;
+  if (nchunks > 0) {
+    rows.compute(btab, a.kvh, j, a.bs, 0, kv_end);
+    rows.issue(kbuf, vbuf, kc, vc);
+    if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, KC, kv_end);
+  }
+
+  for (int c = 0; c < nchunks; ++c) {
+    cp_async_wait_all();
+    __syncthreads();
+    const int kb = c * KC;
+    if (c + 1 < nchunks) {
+      rows.issue(kbuf + ((c + 1) & 1) * KC * L::ROW, vbuf + ((c + 1) & 1) * KC * L::ROW, kc, vc);
+      if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * KC, kv_end);
+    }
+    const T* ks = kbuf + (c & 1) * KC * L::ROW;
+    const T* vs = vbuf + (c & 1) * KC * L::ROW;
+    float sc[4][4];
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) sc[rr][kk] = 0.f;
+#pragma unroll 4
+    for (int dd = 0; dd < D; dd += 4) {
+      float4 qv[4];
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) qv[rr] = *reinterpret_cast<const float4*>(Qs + (rg * 4 + rr) * TL::QROW + dd);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const Vec<T, 4> kv4 = *reinterpret_cast<const Vec<T, 4>*>(ks + (kg + 8 * kk) * L::ROW + dd);
+        const float k0 = to_f<T>(kv4.v[0]), k1 = to_f<T>(kv4.v[1]), k2 = to_f<T>(kv4.v[2]), k3 = to_f<T>(kv4.v[3]);
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr)
+          sc[rr][kk] += qv[rr].x * k0 + qv[rr].y * k1 + qv[rr].z * k2 + qv[rr].w * k3;
+      }
+    }
+    // mask, online softmax (the 8 lanes of a row group hold its 32 keys)
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) {
+      float cm = -CUDART_INF_F;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int key = kb + kg + 8 * kk;
+        if (!(key < kv_end && key <= qpos[rr])) sc[rr][kk] = -CUDART_INF_F;
+        cm = fmaxf(cm, sc[rr][kk]);
+      }
+      cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 1));
+      cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 2));
+      cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 4));
+      const float m_new = fmaxf(mx[rr], cm);
+      const float al = m_new == -CUDART_INF_F ? 1.f : exp2f(mx[rr] - m_new);
+      mx[rr] = m_new;
+      float ps = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const float p = m_new == -CUDART_INF_F ? 0.f : exp2f(sc[rr][kk] - m_new);
+        Ps[(rg * 4 + rr) * TL::PROW + kg + 8 * kk] = p;
+        ps += p;
+      }
+      lsum[rr] = lsum[rr] * al + ps;
+#pragma unroll
+      for (int e = 0; e < DJ * 4; ++e) acc[rr][e] *= al;
+    }
+    __syncthreads();
+#pragma unroll 2
+    for (int k = 0; k < KC; ++k) {
+      float p[4];
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) p[rr] = Ps[(rg * 4 + rr) * TL::PROW + k];
+#pragma unroll
+      for (int jj = 0; jj < DJ; ++jj) {
+        const Vec<T, 4> v4 = *reinterpret_cast<const Vec<T, 4>*>(vs + k * L::ROW + kg * 4 + 32 * jj);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float v = to_f<T>(v4.v[e]);
+#pragma unroll
+          for (int rr = 0; rr < 4; ++rr) acc[rr][jj * 4 + e] += p[rr] * v;
+        }
+      }
+    }
+  }
+  // write: l summed over the row group's 8 lanes
+#pragma unroll
+  for (int rr = 0; rr < 4; ++rr) {
+    float l = lsum[rr];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    l += __shfl_xor_sync(0xffffffffu, l, 4);
+    const int m = rg * 4 + rr;
+    if (m < M) {
+      const int tok = m / g, hh = m - tok * g;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* o = static_cast<T*>(a.out) + ((ts + tok) * a.h + (int64_t)j * g + hh) * D;
+#pragma unroll
+      for (int jj = 0; jj < DJ; ++jj) {
+        Vec<T, 4> w;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w.v[e] = from_f<T>(acc[rr][jj * 4 + e] * inv);
+        *reinterpret_cast<Vec<T, 4>*>(o + kg * 4 + 32 * jj) = w;
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(NT) attn_tile_kernel(Args a, int tile_tokens) {
+  pdl_trigger();
+  pdl_wait();
+  extern __shared__ float4 smem4[];
+  const int total = a.cu[a.B];
+  const int64_t t_begin = (int64_t)blockIdx.x * tile_tokens;
+  const int64_t t_end = min((int64_t)total, min(a.T, t_begin + tile_tokens));
+  int64_t t = t_begin;
+  while (t < t_end) {  // uniform across the block: every thread walks the same segments
+    const int r = find_row(a.cu, a.B, t);
+    const int64_t seg_end = min(t_end, (int64_t)a.cu[r + 1]);
+    if (a.cu[r + 1] - a.cu[r] > kDecodeMaxQ) tile_segment<T, D>(a, reinterpret_cast<float*>(smem4), r, t, seg_end);
+    t = seg_end;
+  }
+}
+
+// Per-device split counters of the decode kernel: allocated and zeroed by the first call (eager: it
+// allocates), kept zero by the kernel itself (each (token, KV head)'s last block resets its entry).
+constexpr int64_t kMaxCounters = 1 << 16;
+
+int* split_counters(cudaStream_t s) {
+  static std::mutex mu;
+  static int* per_device[16] = {};
+  int dev = 0;
+  FDL_CHECK_CUDA(cudaGetDevice(&dev), "fdl_paged_attention: cudaGetDevice");
+  PD_CHECK(dev >= 0 && dev < 16, "fdl_paged_attention: device index out of range");
+  std::lock_guard<std::mutex> lock(mu);
+  if (per_device[dev] == nullptr) {
+    require_eager(s, "fdl_paged_attention: the first call on a device must run eagerly (it allocates the split counters)");
+    int* p = nullptr;
+    FDL_CHECK_CUDA(cudaMalloc(&p, kMaxCounters * sizeof(int)), "fdl_paged_attention: counters cudaMalloc");
+    FDL_CHECK_CUDA(cudaMemsetAsync(p, 0, kMaxCounters * sizeof(int), s), "fdl_paged_attention: counters cudaMemset");
+    note_foreign_work();
+    per_device[dev] = p;
+  }
+  return per_device[dev];
+}
+
+template <typename K>
+void set_smem(K kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    FDL_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+                   "fdl_paged_attention: cudaFuncSetAttribute");
+}
+
+template <typename T, int D>
+void launch_attention(Args a, bool tiles, cudaStream_t s) {
+  if (a.T == 0) return;
+  const size_t dsm = decode_smem<T, D>(a.g);
+  static bool init = false;
+  if (!init) {  // host-side attributes, set once per instantiation (also fine during a capture)
+    set_smem(attn_decode_kernel<T, D>, decode_smem<T, D>(MAXG));
+    set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
+    init = true;
+  }
+  launch("attn_decode_kernel", attn_decode_kernel<T, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s, pdl_rows(a.T),
+         a);
+  if (tiles) {
+    const int tile_tokens = BM / a.g;
+    launch("attn_tile_kernel", attn_tile_kernel<T, D>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh), NT,
+           TileLayout<T, D>::bytes, s, false, a, tile_tokens);
+    FDL_CHECK_LAUNCH("fdl_paged_attention (tile kernel)");
+  }
+}
+
+}  // namespace
+}  // namespace fdl
+
+using namespace fdl;
+
+// fdl_paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len,
+//                     num_splits) -> out [T, h * d]
+// max_q_len: an upper bound on any row's q_len known to the caller (1 for decode-only graphs: the
+// tile kernel is then not launched); 0 = unknown. num_splits: KV splits of the per-token kernel,
+// 0 = chosen from the shapes (T, kv heads, max_blocks * block_size) and the SM count.
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                           const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
+                                           const paddle::Tensor& seq_lens, const paddle::Tensor& cu_seqlens,
+                                           float scale, int max_q_len, int num_splits) {
+  const char* op = "fdl_paged_attention";
+  for (const paddle::Tensor* t : std::initializer_list<const paddle::Tensor*>{&q, &k_cache, &v_cache, &block_tables, &seq_lens, &cu_seqlens}) check_gpu(*t, op, "input");
+  const auto& cs = k_cache.shape();
+  PD_CHECK(cs.size() == 4 && v_cache.shape() == cs, op, ": caches must be [blocks, kv_heads, block_size, head_dim]");
+  PD_CHECK(q.shape().size() == 3, op, ": q must be [T, heads, head_dim]");
+  const int64_t T = q.shape()[0];
+  const int h = (int)q.shape()[1], d = (int)q.shape()[2], kvh = (int)cs[1], bs = (int)cs[2];
+  PD_CHECK(cs[3] == d, op, ": head_dim of q and caches differ");
+  PD_CHECK(kvh > 0 && h % kvh == 0, op, ": heads must be a multiple of kv_heads");
+  const int g = h / kvh;
+  PD_CHECK(g <= MAXG, op, ": at most 16 query heads per KV head");
+  PD_CHECK(k_cache.dtype() == q.dtype() && v_cache.dtype() == q.dtype(), op, ": caches must have q's dtype");
+  PD_CHECK(block_tables.dtype() == paddle::DataType::INT32 && seq_lens.dtype() == paddle::DataType::INT32 &&
+               cu_seqlens.dtype() == paddle::DataType::INT32,
+           op, ": block_tables, seq_lens_kv and cu_seqlens_q must be int32");
+  PD_CHECK(block_tables.shape().size() == 2, op, ": block_tables must be [B, max_blocks]");
+  const int B = (int)block_tables.shape()[0], max_blocks = (int)block_tables.shape()[1];
+  PD_CHECK(seq_lens.numel() == B && cu_seqlens.numel() == B + 1, op, ": seq_lens_kv [B] and cu_seqlens_q [B + 1]");
+
+  int splits = num_splits;
+  if (splits <= 0) {
+    const int64_t work = T * kvh, target = 2 * (int64_t)num_sms();
+    const int64_t by_ctx = std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC));
+    splits = (int)std::min<int64_t>({work >= target ? 1 : ceil_div(target, std::max<int64_t>(work, 1)), by_ctx, 32});
+  }
+  splits = std::max(1, std::min(splits, 64));
+  if (splits > 1 && T * kvh > kMaxCounters) splits = 1;  // (the automatic choice splits only small batches)
+  paddle::Tensor out = paddle::empty({T, (int64_t)h * d}, q.dtype(), q.place());
+  paddle::Tensor ws;
+  Args a{};
+  a.q = q.data();
+  a.kc = k_cache.data();
+  a.vc = v_cache.data();
+  a.block_tables = block_tables.data<int>();
+  a.seq_lens = seq_lens.data<int>();
+  a.cu = cu_seqlens.data<int>();
+  a.out = out.data();
+  a.T = T;
+  a.B = B;
+  a.max_blocks = max_blocks;
+  a.h = h;
+  a.kvh = kvh;
+  a.g = g;
+  a.bs = bs;
+  a.splits = splits;
+  a.scale_log2 = scale * 1.4426950408889634f;
+  a.counters = split_counters(stream_of(q));
+  if (splits > 1 && T > 0) {
+    // [splits, T, h, d] partial outputs, then [splits, T, h] (max, sum) pairs
+    ws = paddle::empty({(int64_t)splits * T * h * (d + 2)}, paddle::DataType::FLOAT32, q.place());
+    a.part_o = static_cast<float*>(ws.data());
+    a.part_ml = reinterpret_cast<float2*>(a.part_o + (int64_t)splits * T * h * d);
+  }
+  const bool tiles = (max_q_len <= 0 ? T : max_q_len) > kDecodeMaxQ && B > 0;
+  cudaStream_t s = stream_of(q);
+  FDL_FLOAT_SWITCH(q.dtype(), T_, op, {
+    switch (d) {
+      case 64: launch_attention<T_, 64>(a, tiles, s); break;
+      case 128: launch_attention<T_, 128>(a, tiles, s); break;
+      case 256: launch_attention<T_, 256>(a, tiles, s); break;
+      default: PD_THROW(op, ": head_dim must be 64, 128 or 256");
+    }
+  });
+  return {out};
+}
+
+PD_BUILD_OP(fdl_paged_attention)
+    .Inputs({"Q", "KCache", "VCache", "BlockTables", "SeqLensKV", "CuSeqlensQ"})
+    .Outputs({"Out"})
+    .Attrs({"scale: float", "max_q_len: int", "num_splits: int"})
+    .SetKernelFn(PD_KERNEL(PagedAttention));

@@ -1,0 +1,239 @@
+// Shared helpers of fdlite's GPU ops (ops_*.cu): dtype dispatch, vector loads, reductions.
+//
+// Why hand-written ops at all: PyPI's paddlepaddle-gpu has no sm_90 kernels, so on Hopper every
+// Paddle built-in computing kernel silently does nothing; FastDeploy likewise runs its GPU hot path
+// on its own compiled custom ops. Every op here runs on the stream of its first GPU tensor
+// (x.stream()), allocates only through paddle::empty (the graph pool inside a capture) and never
+// synchronizes, so each is safe inside a Paddle CUDAGraph capture. Inputs must be contiguous: the
+// Python wrappers (fdlite/kernels/gpu.py) check that, because Paddle would otherwise make them contiguous
+// with its own (no-op on sm_90) kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <cstdlib>
+#include <utility>
+#include <vector>
+
+#include "paddle/extension.h"
+
+namespace fdl {
+
+// ---------------------------------------------------------------- host-side checks
+#define FDL_CHECK_CUDA(expr, what)                                                  \
+  do {                                                                              \
+    cudaError_t e_ = (expr);                                                        \
+    PD_CHECK(e_ == cudaSuccess, what, ": ", cudaGetErrorString(e_));                \
+  } while (0)
+
+// Our cudart's error state only sees our own launches (Paddle's runtime is a separate, static one).
+#define FDL_CHECK_LAUNCH(what) FDL_CHECK_CUDA(cudaGetLastError(), what)
+
+inline cudaStream_t stream_of(const paddle::Tensor& t) {
+#if defined(PADDLE_WITH_CUDA)
+  return reinterpret_cast<cudaStream_t>(t.stream());
+#else
+  (void)t;
+  PD_THROW("fdlite GPU ops: this Paddle build has no CUDA");
+  return nullptr;
+#endif
+}
+
+inline void check_gpu(const paddle::Tensor& t, const char* op, const char* name) {
+  PD_CHECK(t.is_gpu(), op, ": ", name, " must be a GPU tensor");
+}
+
+inline bool is_float_dtype(paddle::DataType d) {
+  return d == paddle::DataType::FLOAT32 || d == paddle::DataType::FLOAT16 ||
+         d == paddle::DataType::BFLOAT16;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int num_sms() {
+  static int n = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    return v > 0 ? v : 132;
+  }();
+  return n;
+}
+
+// Dispatch on the three float dtypes: FDL_FLOAT_SWITCH(dtype, T, op, { body using T });
+#define FDL_FLOAT_SWITCH(dt, T, op, ...)                                            \
+  switch (dt) {                                                                     \
+    case paddle::DataType::FLOAT32: {                                               \
+      using T = float;                                                              \
+      __VA_ARGS__;                                                                  \
+    } break;                                                                        \
+    case paddle::DataType::FLOAT16: {                                               \
+      using T = __half;                                                             \
+      __VA_ARGS__;                                                                  \
+    } break;                                                                        \
+    case paddle::DataType::BFLOAT16: {                                              \
+      using T = __nv_bfloat16;                                                      \
+      __VA_ARGS__;                                                                  \
+    } break;                                                                        \
+    default:                                                                        \
+      PD_THROW(op, ": unsupported dtype (float32, float16, bfloat16)");             \
+  }
+
+// The first call of an op that allocates or creates handles (kept for later calls) must not be captured.
+inline void require_eager(cudaStream_t s, const char* what) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(s, &st);
+  PD_CHECK(st == cudaStreamCaptureStatusNone, what);
+}
+
+// ---------------------------------------------------------------- programmatic dependent launch
+// Hopper's PDL lets a kernel's blocks start while the kernel before it in the stream is still running:
+// each of our kernels signals `pdl_trigger()` on entry (its dependents may be scheduled) and calls
+// `pdl_wait()` (griddepcontrol.wait: every earlier kernel has finished and its writes are visible)
+// before it touches memory another kernel writes. So the launch and the ramp-up of kernel i + 1 hide
+// behind kernel i, and the decode GEMV streams its weights before it waits (ops_linear.cu). Inside a
+// CUDA graph the dependencies become programmatic edges. Without the launch attribute, or before sm_90,
+// both calls do nothing and launches serialize as usual (FDLITE_PDL=0 turns the attribute off).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// FDLITE_PDL: 0 = never; 1 = every launch that allows it; unset/2 = only when the previous launch on this
+// thread was one of ours too (after cuBLAS or a copy, a normal launch: see `note_foreign_work`).
+inline int pdl_mode() {
+  static const int mode = [] {
+    const char* env = std::getenv("FDLITE_PDL");
+    const int m = env == nullptr || env[0] == '\0' ? 2 : std::atoi(env);
+    int dev = 0, major = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    return major >= 9 ? m : 0;
+  }();
+  return mode;
+}
+
+inline bool& last_launch_ours() {
+  thread_local bool ours = false;
+  return ours;
+}
+
+// Whether an op on `rows` tokens launches with PDL: only decode batches of at most 4, where every kernel of
+// the step is ours (the GEMV replaces cuBLAS) and each is a few microseconds. Measured on the H100 (docs/
+// benchmarks.md, round 14): PDL takes the batch-1 graph body from 1.06 to 0.92 ms, but at batch 16-64 the
+// decode-attention kernel launched early made the body 0.2-0.25 ms slower, and at 256 it changed nothing.
+constexpr int64_t kPdlMaxRows = 4;
+inline bool pdl_rows(int64_t rows) { return rows <= kPdlMaxRows; }
+
+// Work enqueued by someone else's code (a cuBLAS GEMM, a memcpy) since our last kernel.
+inline void note_foreign_work() { last_launch_ours() = false; }
+
+// kernel<<<grid, block, smem, s>>>(args...), with the PDL attribute when `pdl` is true and the mode allows
+// it (the kernel must then call pdl_wait() before reading or writing anything earlier kernels touch).
+template <typename... KArgs, typename... Args>
+void launch(const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+            bool pdl, Args&&... args) {
+  const int mode = pdl_mode();
+  const bool use = pdl && (mode == 1 || (mode == 2 && last_launch_ours()));
+  last_launch_ours() = true;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = use ? 1 : 0;
+  FDL_CHECK_CUDA(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(std::forward<Args>(args))...), what);
+}
+
+// ---------------------------------------------------------------- device-side conversions
+template <typename T>
+__device__ __forceinline__ float to_f(T v);
+template <>
+__device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Round a float through T and back: reproduces the framework's rounding after each op.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) { return to_f<T>(from_f<T>(v)); }
+
+// N elements of T moved as one aligned access (16 bytes when N * sizeof(T) == 16).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T>
+constexpr int vec16() { return 16 / sizeof(T); }
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// ---------------------------------------------------------------- asynchronous copies to shared memory
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int n = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// "memory": shared-memory reads after it may not be moved above it (no block barrier needs to follow).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------- reductions
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float part[32];
+  __shared__ float total;
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) part[wid] = v;
+  __syncthreads();
+  if (wid == 0) {
+    float s = lane < nw ? part[lane] : 0.f;
+    s = warp_sum(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+}  // namespace fdl

@@ -1,0 +1,186 @@
+"""CUDA graphs per padded size: static input buffers, capture, verify, and replay of a flat batch.
+
+One runner serves one kind of batch: decode-only batches keyed by batch size, or (with
+`cudagraph_only_prefill`) prefill-only batches keyed by token count. Inside a graph every token is
+its own attention row: it carries its sequence's block table and attends to positions <= its own,
+so one captured graph serves every split of the same token count (the seed's "last request comes
+out garbled" bug was a graph captured for one split and replayed for another). Captures use the
+seed's worst-case split anyway, and the verify step replays each graph on a different split.
+
+The graphs read the runner's persistent input buffers (`runner/forward_buffers.py`), the same
+tensors eager steps use, written in place every step, so their addresses never change: the
+invariant CUDA graphs rely on. Padded tokens read and write only the scratch block at the end of
+the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import paddle
+
+from fdlite.graph.cuda import CudaGraph, cuda_graphs_available
+from fdlite.graph.eager_replay import EagerReplayGraph
+from fdlite.graph.capture_sizes import padded_size, worst_case_prefill_split
+from fdlite.graph.static_graph import translation_count
+from fdlite.kernels.device_tensors import to_numpy_f32
+from fdlite.layers.forward_meta import FlatBatch
+
+if TYPE_CHECKING:
+    from fdlite.runner.forward_buffers import ForwardBuffers
+
+logger = logging.getLogger("fdlite")
+
+
+class CudaGraphRunner:
+    """Captured graphs of `model_layer` for each size in `sizes` (decode: batch sizes; prefill: token counts)."""
+
+    def __init__(self, model_layer, kv_cache, buffers: "ForwardBuffers", sizes: list[int], prefill: bool,
+                 max_num_seqs: int, graph_factory: Callable[[], object]):
+        self.model_layer = model_layer
+        self.kv_cache = kv_cache
+        self.sizes = sorted(sizes)
+        self.prefill = prefill
+        self.max_num_seqs = max_num_seqs
+        self.block_size = kv_cache.block_size
+        self.scratch_block = kv_cache.num_blocks
+        self.graph_factory = graph_factory
+        self.buffers = buffers
+        buffers.set_scratch_block(self.scratch_block)
+        self.graphs: dict[int, object] = {}
+        self.replays_by_size: Counter[tuple[int, int]] = Counter()  # (graph size, batch tokens) -> replays
+
+    # ---- capture -------------------------------------------------------------------------
+
+    def _forward(self, size: int, dynamic: bool = False) -> paddle.Tensor:
+        ids, positions, meta = self.buffers.graph_views(size, not self.prefill, self.kv_cache.caches)
+        kwargs = dict(ids_remove_padding=ids, positions=positions, forward_meta=meta)
+        if dynamic:  # the eager reference for verification, whatever backend is attached
+            return type(self.model_layer).dynamic_forward(self.model_layer, **kwargs)
+        return self.model_layer(**kwargs)
+
+    def _write(self, batch: FlatBatch, size: int) -> None:
+        self.buffers.write_padded(batch, size, decode=not self.prefill)
+
+    def dummy_batch(self, size: int, seed: int, worst_case: bool) -> FlatBatch:
+        """A batch of `size` tokens with distinct cache slots (so replays are deterministic).
+
+        worst_case: the seed's capture split (rows of one token and one long row); otherwise a
+        random split, which is what the verify step replays.
+        """
+        rng = np.random.default_rng(seed)
+        if not self.prefill:
+            lens = [1] * size
+        elif worst_case:
+            lens = worst_case_prefill_split(size, self.max_num_seqs)
+        else:
+            rows = int(rng.integers(1, min(size, self.max_num_seqs) + 1))
+            cuts = np.sort(rng.choice(np.arange(1, size), size=rows - 1, replace=False)) if rows > 1 else []
+            lens = np.diff([0, *cuts, size]).tolist()
+        capacity = self.kv_cache.num_blocks * self.block_size
+        ids, pos, slots, rows_of, tables = [], [], [], [], []
+        next_slot = 0
+        blocks_per_row = self.buffers.max_blocks
+        for r, n in enumerate(lens):
+            if self.prefill:
+                start = 0
+            else:  # a decode token sits after a random-length context
+                start = int(rng.integers(0, min(blocks_per_row * self.block_size, 4 * self.block_size)))
+            need = -(-(start + n) // self.block_size)
+            first = (next_slot // self.block_size) % self.kv_cache.num_blocks
+            table = [(first + j) % self.kv_cache.num_blocks for j in range(need)]
+            next_slot = ((first + need) * self.block_size) % capacity
+            p = np.arange(start, start + n)
+            ids.append(rng.integers(0, 100, size=n))
+            pos.append(p)
+            slots.append(np.asarray(table)[p // self.block_size] * self.block_size + p % self.block_size)
+            rows_of.append(np.full(n, r))
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        table_arr = np.zeros((len(tables), width), np.int32)
+        for r, t in enumerate(tables):
+            table_arr[r, : len(t)] = t
+        positions = np.concatenate(pos).astype(np.int64)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        return FlatBatch(input_ids=np.concatenate(ids).astype(np.int64), positions=positions,
+                         slot_mapping=np.concatenate(slots).astype(np.int64),
+                         token_rows=np.concatenate(rows_of).astype(np.int64), block_tables=table_arr,
+                         seq_lens_kv=(positions[cu[1:] - 1] + 1).astype(np.int32), cu_seqlens_q=cu,
+                         logits_indices=np.zeros(0, np.int64), num_decodes=0 if self.prefill else size)
+
+    def capture_all(self, recorder=None, verify: bool = True, tolerance: float = 1e-4) -> None:
+        """Capture every size, largest first (one shared memory pool), each after an eager warm-up.
+
+        The warm-up is where SOT translates (inside capture, as the seed requires); its translation
+        count is recorded as a "sot_translate" event.
+        """
+        for size in sorted(self.sizes, reverse=True):
+            self._write(self.dummy_batch(size, seed=size, worst_case=True), size)
+            before = translation_count()
+            self._forward(size)  # warm-up: lazy initialisation and SOT translation happen here
+            translated = translation_count() - before
+            if recorder is not None and translated:
+                recorder.point("sot_translate", size=size, count=translated)
+            graph = self.graph_factory()
+            graph.capture(lambda s=size: self._forward(s), static_inputs=self.buffers.tensors)
+            self.graphs[size] = graph
+            if recorder is not None:
+                recorder.point("cudagraph_captured", size=size)
+            if verify:
+                self.verify(size, tolerance)
+        logger.info("captured %d %s CUDA graphs: sizes %s", len(self.graphs), "prefill" if self.prefill else "decode",
+                    self.sizes)
+
+    def verify(self, size: int, tolerance: float) -> None:
+        """Replay the graph of `size` on new inputs (another split) and compare with the eager forward."""
+        batch = self.dummy_batch(size, seed=10_000 + size, worst_case=False)
+        self._write(batch, size)
+        got = to_numpy_f32(self.graphs[size].replay())
+        want = to_numpy_f32(self._forward(size, dynamic=True))
+        err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
+        if not np.isfinite(got).all() or err > tolerance:
+            raise RuntimeError(
+                f"CUDA graph self-check failed: the {'prefill' if self.prefill else 'decode'} graph for size {size} "
+                f"disagrees with the eager forward (max relative difference {err:.3g} > {tolerance}). "
+                "Run without use_cudagraph, and report this."
+            )
+
+    # ---- replay --------------------------------------------------------------------------
+
+    @property
+    def num_replays(self) -> int:
+        return sum(self.replays_by_size.values())
+
+    @property
+    def num_padded_replays(self) -> int:
+        """Replays of a batch smaller than its graph (padded rows ran too)."""
+        return sum(n for (size, tokens), n in self.replays_by_size.items() if tokens < size)
+
+    def size_for(self, batch: FlatBatch) -> int | None:
+        """The captured size this batch runs in, or None to run it eagerly."""
+        if not self.graphs:
+            return None
+        if self.prefill:
+            fits = batch.num_decodes == 0 and batch.num_rows <= self.max_num_seqs
+        else:
+            fits = batch.num_decodes == batch.num_rows  # decode-only
+        return padded_size(self.sizes, batch.num_tokens) if fits else None
+
+    def run(self, batch: FlatBatch, size: int) -> paddle.Tensor:
+        """Write the batch into the buffers, replay the graph of `size`, return hidden states [T, hidden]."""
+        self._write(batch, size)
+        self.replays_by_size[size, batch.num_tokens] += 1
+        return self.graphs[size].replay()[: batch.num_tokens]
+
+
+def cudagraph_factory(device: str) -> Callable[[], object] | None:
+    """What captures graphs here: CUDA graphs on a GPU, the eager stand-in when asked for, else None."""
+    if os.environ.get("FDLITE_CUDAGRAPH_BACKEND", "").lower() == "eager":
+        return EagerReplayGraph
+    if device == "gpu" and cuda_graphs_available():
+        return CudaGraph
+    return None
