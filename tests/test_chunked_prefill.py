@@ -35,9 +35,13 @@ def record_schedule(llm) -> list[dict]:
 
     def schedule():
         batch = inner()
-        rows = [Row(s.seq_id, n, s.num_computed_tokens, s.num_tokens,
-                    n == 1 and bool(s.output_token_ids) and s.num_computed_tokens == s.num_tokens - 1)
-                for s, n in batch.rows]
+        # Read just after scheduling, which counted the step's tokens as computed and gave each row that
+        # samples a placeholder token: undo both to see the sequence as it was before the step.
+        rows = []
+        for s, n in batch.rows:
+            start, tokens = s.num_computed_tokens - n, s.num_tokens - s.num_output_placeholders
+            rows.append(Row(s.seq_id, n, start, tokens, n == 1 and tokens > s.num_prompt_tokens and start == tokens - 1))
+
         steps.append({"rows": rows, "partial": len(sched.partial_prefills),
                       "long_partial": sum(sched.partial_prefills.values()), "waiting": [s.seq_id for s in sched.waiting]})
         return batch

@@ -67,6 +67,7 @@ def test_prefill_logits_match_transformers(model_dirs, family):
         seq = Sequence(0, 0, p, SamplingParams(temperature=0), seed=0)
         llm.engine.allocator.grow(seq.block_table, len(p))
         llm.engine.input_batch.add(seq)
+        seq.num_computed_tokens = len(p)  # scheduled: the scheduler counts the step's tokens as computed
         seqs.append(seq)
     step = llm.engine.input_batch.prepare_inputs([(s, s.num_tokens) for s in seqs])
     logits = llm.runner.forward(step.flat).numpy()

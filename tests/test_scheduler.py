@@ -17,10 +17,8 @@ def make_seq(i: int, prompt_len: int) -> Sequence:
 def run_step(sched: Scheduler) -> list[tuple[int, int]]:
     """Schedule one step and pretend the model ran it: every caught-up row samples token 7."""
     batch = sched.schedule()
-    for seq, n in batch.rows:
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.output_token_ids.append(7)
+    sampled = [seq for seq, _ in batch.rows if seq.num_output_placeholders]
+    sched.update_from_output(batch, sampled, [7] * len(sampled), candidates=[], stop_strings={}, now=0.0)
     return [(seq.request_index, n) for seq, n in batch.rows]
 
 

@@ -119,7 +119,7 @@ class BlockAllocator:
         """Hash and cache the blocks of `seq` that are now full and computed."""
         if self.prefix_cache is None:
             return
-        full = seq.num_computed_tokens // self.block_size
+        full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         if full <= seq.num_hashed_blocks:
             return
         hashes = self.prefix_cache.seq_hashes(seq, full)

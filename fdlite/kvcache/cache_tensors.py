@@ -33,10 +33,6 @@ class KVCache:
     block_size: int
     caches: list[tuple[paddle.Tensor, paddle.Tensor]]
 
-    @property
-    def scratch_slot(self) -> int:
-        return self.num_blocks * self.block_size
-
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: str) -> KVCache:
         shape = [num_blocks + 1, kv_heads, block_size, head_dim]

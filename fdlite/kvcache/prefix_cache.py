@@ -44,9 +44,11 @@ class PrefixCache:
 
     def seq_hashes(self, seq, num_blocks: int) -> list[bytes]:
         """The chain hashes of `seq`'s first `num_blocks` full blocks, computed once per sequence
-        (tokens are append-only, so a block's hash never changes)."""
+        (tokens are append-only, so a block's hash never changes). Only blocks whose tokens are all
+        known are hashed: fewer than `num_blocks` come back while placeholders are pending."""
         hashes = seq.block_hashes
         bs = self.block_size
+        num_blocks = min(num_blocks, seq.num_known_tokens // bs)
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, seq.token_ids(i * bs, (i + 1) * bs)))
@@ -59,7 +61,7 @@ class PrefixCache:
         it lives in a block of its own that this sequence will write (a cached block is shared
         and never written). Hashes are computed only up to the first miss.
         """
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = min((seq.num_tokens - 1) // self.block_size, seq.num_known_tokens // self.block_size)
         blocks = []
         for i in range(max_blocks):
             block = self._block_of.get(self.seq_hashes(seq, i + 1)[i])

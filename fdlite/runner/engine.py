@@ -1,14 +1,17 @@
-"""The step loop: schedule, update the persistent batch, run the model, take the sampled tokens, stop, free.
+"""The step loop: schedule, prepare, execute, commit, output (nano-vllm's schedule / run / postprocess).
 
-One step: the scheduler picks rows (continuing sequences first, then joiners); the persistent
-batch (`InputBatch`) is updated with what changed (joined, preempted, new blocks) and builds the
-flat inputs; the runner runs the forward and samples; the sampled ids are appended and checked
-for stops on token ids (`check_stop`, only for the rows that may stop); text is the output
-processor's business. After each step the blocks that became full are offered to the prefix
-cache, before any finished sequence lets go of them. The engine also counts what it computed
-(`stats()`), and tells each of its
-`schedule_listeners` what every step computed (`ScheduledRow`s), so tests can assert the schedule
-itself (mixed prefill + decode steps, who joined when) rather than only its outcome.
+One step makes one call to each phase of its three collaborators: the scheduler picks rows and says
+what changed (`schedule`), the worker applies that to its persistent batch and builds the inputs
+(`prepare`), runs the forward and samples (`execute`) and writes the sampled tokens back (`commit`,
+which returns the rows that may stop); the output processor turns tokens into what the outputs
+need (`process`: logprobs, first-token times, the stop strings found in the text); the scheduler
+takes the tokens and finishes the rows that stop (`update_from_output`). Async scheduling is the
+same calls in another order: the next step is scheduled while this one executes on a worker
+thread (its rows' tokens are placeholders until they come back).
+
+The engine also counts what it computed (`stats()`), and tells each of its `schedule_listeners`
+what every step computed (`ScheduledRow`s), so tests can assert the schedule itself (mixed
+prefill + decode steps, who joined when) rather than only its outcome.
 
 Debug: `FDLITE_DEBUG_POISON_FREED_BLOCKS=1` fills every block that no one may read (never
 written, freed, evicted) with NaN keys and huge values, and checks that every write goes to a
@@ -23,16 +26,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
 from fdlite.config import EngineConfig
 from fdlite.kvcache.block_allocator import BlockAllocator
-from fdlite.sample.sampler import SamplerOutput
 from fdlite.runner.input_batch import InputBatch, StepInputs
 from fdlite.runner.model_runner import ModelRunner
 from fdlite.runner.output_processor import OutputProcessor
 from fdlite.runner.scheduler import ScheduledBatch, Scheduler
 from fdlite.runner.sequence import Sequence
+from fdlite.runner.worker import Worker
+from fdlite.sample.sampler import SamplerOutput
 from fdlite.structured.matcher import StructuredOutputs
 
 
@@ -48,7 +50,9 @@ class ScheduledRow:
 
 
 def _is_decode(seq: Sequence, n: int) -> bool:
-    return n == 1 and bool(seq.output_token_ids) and seq.num_computed_tokens == seq.num_tokens - 1
+    """A one-token step right after the sequence's last sampled token (read just after scheduling)."""
+    return n == 1 and seq.num_tokens == seq.num_computed_tokens + 1 and (
+        len(seq.output_token_ids) + seq.num_output_placeholders > 1)
 
 
 class Engine:
@@ -56,25 +60,29 @@ class Engine:
         self.config = config
         self.runner = runner
         self.eos_token_ids = eos_token_ids
-        self.vocab_size = runner.model_config.vocab_size
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
-        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size, self.vocab_size,
-                                      eos_token_ids)
+        self.scheduler.eos_token_ids = eos_token_ids
+        self.debug_poison = os.environ.get("FDLITE_DEBUG_POISON_FREED_BLOCKS", "0") not in ("", "0")
+        self.worker = Worker(runner, config.max_num_seqs, config.max_model_len, config.block_size, eos_token_ids,
+                             check_writable=self.allocator.check_writable if self.debug_poison else None)
         self.outputs = OutputProcessor(tokenizer)
-        self.structured = StructuredOutputs(tokenizer, self.vocab_size, eos_token_ids)
-        runner.eos_token_ids = sorted(eos_token_ids)
-        self._pending = None  # async scheduling: the step in flight (batch, inputs, future)
+        self.structured = StructuredOutputs(tokenizer, runner.model_config.vocab_size, eos_token_ids)
+        self._pending = None  # async scheduling: the step in flight (scheduled, prepared, future)
         self._executor: ThreadPoolExecutor | None = None
         self.num_steps = 0
         self.num_prefill_tokens = 0  # tokens computed for prompts (and recomputed after preemption)
         self.num_decode_tokens = 0
         # Called after each step is scheduled with its rows, in batch order (for tests and tools).
         self.schedule_listeners: list[Callable[[list[ScheduledRow]], None]] = []
-        self.debug_poison = os.environ.get("FDLITE_DEBUG_POISON_FREED_BLOCKS", "0") not in ("", "0")
         if self.debug_poison:
             self.allocator.on_release = runner.kv_cache.poison_blocks
             runner.kv_cache.poison_blocks(list(range(num_blocks)))
+
+    @property
+    def input_batch(self) -> InputBatch:
+        """The worker's persistent batch (read-only use: tests and tools)."""
+        return self.worker.input_batch
 
     def stats(self) -> dict[str, int]:
         """Counters since the engine started (`LLM.last_generate_stats` takes differences)."""
@@ -100,96 +108,76 @@ class Engine:
         """Drop unfinished sequences (the caller stopped iterating): free their blocks and slots."""
         self.drain()
         for seq in seqs:
-            if seq.is_finished:
-                continue
-            if seq.slot is not None:
-                self.input_batch.remove(seq)
-            self.scheduler.abort(seq)
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+        self.worker.release(seqs)
 
     def step(self) -> tuple[list[Sequence], int]:
         """Run one step; return (sequences finished in it, tokens computed in it)."""
         if self.config.async_scheduling:
             return self._step_async()
-        batch, step = self._schedule()
-        if batch is None:
+        scheduled = self._schedule()
+        if not scheduled.rows:
             raise RuntimeError("scheduler made no progress: a sequence cannot fit the KV cache")
-        sampled = self.runner.execute(step)
-        self._computed(batch, step)
-        finished = self._take_tokens(step, sampled) if sampled is not None else []
-        return finished, step.flat.num_tokens
+        prepared = self.worker.prepare(scheduled)
+        sampled = self.worker.execute(prepared)
+        return self._postprocess(scheduled, prepared, sampled)
 
-    def _schedule(self) -> tuple[ScheduledBatch | None, StepInputs | None]:
-        """Schedule a step and bring the persistent batch up to date with it; (None, None) if nothing runs."""
+    def _postprocess(self, scheduled: ScheduledBatch, prepared: StepInputs, sampled: SamplerOutput | None):
+        """After a step's forward: tokens into the slots, text and logprobs, then stops and finishes."""
+        candidates = self.worker.commit(prepared, sampled)
+        now = time.perf_counter()
+        stop_strings = self.outputs.process(prepared.sample_seqs, sampled, prepared.sampling, candidates, now)
+        tokens = sampled.token_ids if sampled is not None else []
+        finished = self.scheduler.update_from_output(scheduled, prepared.sample_seqs, tokens, candidates,
+                                                     stop_strings, now)
+        self.num_steps += 1
+        self.num_decode_tokens += prepared.num_decode_tokens
+        self.num_prefill_tokens += prepared.flat.num_tokens - prepared.num_decode_tokens
+        return finished, prepared.flat.num_tokens
+
+    def _schedule(self) -> ScheduledBatch:
+        """Schedule a step and tell the listeners what it computes."""
         batch = self.scheduler.schedule()
-        if not batch.rows:
-            return None, None
-        if self.schedule_listeners:
+        if self.schedule_listeners and batch.rows:
             joined = set(map(id, batch.joined))
             rows = [ScheduledRow(seq.request_index, seq.child_index, n, id(seq) in joined, _is_decode(seq, n))
                     for seq, n in batch.rows]
             for listener in self.schedule_listeners:
                 listener(rows)
-        ib = self.input_batch
-        for seq in batch.preempted:
-            if seq.slot is not None:
-                ib.remove(seq)
-        for seq in batch.grown:
-            ib.sync_blocks(seq)
-        for seq in batch.joined:
-            ib.add(seq)
-        return batch, ib.prepare_inputs(batch.rows)
-
-    def _computed(self, batch: ScheduledBatch, step: StepInputs) -> None:
-        """The step's tokens are in the KV cache (or will be, before any later step reads them)."""
-        self._count_tokens(step)
-        self.num_steps += 1
-        self.input_batch.advance(step)
-        self.scheduler.update_after_step(batch.rows)
+        return batch
 
     # ---- async scheduling -------------------------------------------------------------------
 
     def _step_async(self) -> tuple[list[Sequence], int]:
-        """Schedule and prepare step N+1 while step N runs (vLLM's async scheduling).
+        """Schedule step N+1 while step N runs (vLLM's async scheduling).
 
-        Step N+1 is scheduled as if every row of N that samples got its token (a placeholder), so
-        it also holds the rows that turn out to finish in N: they are dropped from it (its inputs
-        rebuilt) before it is launched. The placeholders' values are patched into N+1's inputs when
-        N's tokens come. Forwards stay in order: N+1 is launched only after N is done.
+        N+1 is scheduled as if every row of N that samples got its token (a placeholder), so it may
+        hold rows that turn out to finish in N: the scheduler drops them from it when N's tokens come.
+        N+1 is prepared once N's tokens are in the slots, and launched after N is done: forwards run
+        in order, so N+1 reads N's KV.
         """
         if self._pending is None:
-            batch, step = self._schedule()
-            if batch is None:
+            scheduled = self._schedule()
+            if not scheduled.rows:
                 raise RuntimeError("scheduler made no progress: a sequence cannot fit the KV cache")
-            self._pending = (batch, step, self._launch(step))
-        batch, step, future = self._pending
+            self._pending = self._launch(scheduled)
+        scheduled, prepared, future = self._pending
         self._pending = None
-        self._computed(batch, step)
-        self.scheduler.reserve_tokens(step.sample_seqs)
-        self.input_batch.reserve_tokens(step.sample_slots)
-        next_batch, next_step = self._schedule() if self.scheduler.has_unfinished() else (None, None)
-        sampled = future.result()
-        finished = self._take_tokens(step, sampled, reserved=True) if sampled is not None else []
-        if next_batch is not None:
-            next_step = self._reconcile(next_batch, next_step, finished)
-            if next_step is not None:
-                self._pending = (next_batch, next_step, self._launch(next_step))
-        return finished, step.flat.num_tokens
+        ahead = self._schedule() if self.scheduler.has_unfinished() else None
+        result = self._postprocess(scheduled, prepared, future.result())
+        if ahead is not None:
+            self._pending = self._launch(ahead)
+        return result
 
-    def _launch(self, step: StepInputs):
+    def _launch(self, scheduled: ScheduledBatch):
+        """Prepare a scheduled step and start it on the step thread; None when it has no rows left."""
+        prepared = self.worker.prepare(scheduled)
+        if prepared is None:
+            return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="fdlite-step")
-        return self._executor.submit(self.runner.execute, step)
-
-    def _reconcile(self, batch: ScheduledBatch, step: StepInputs, finished: list[Sequence]) -> StepInputs | None:
-        """Step N+1's inputs once step N's tokens are known: without the rows that finished, with
-        the real tokens where placeholders were."""
-        if finished:
-            gone = set(map(id, finished))
-            batch.rows = [(s, n) for s, n in batch.rows if id(s) not in gone]
-            if not batch.rows:
-                return None
-            return self.input_batch.prepare_inputs(batch.rows)
-        return self.input_batch.refresh_tokens(step)
+        return scheduled, prepared, self._executor.submit(self.worker.execute, prepared)
 
     def drain(self) -> None:
         """Wait for a step still running (async scheduling) and forget it."""
@@ -197,59 +185,3 @@ class Engine:
             _, _, future = self._pending
             self._pending = None
             future.result()
-
-    def _advance_grammars(self, step: StepInputs, tokens: list[int], now: float) -> list[Sequence]:
-        """Feed each constrained row's token to its matcher; a row whose matcher rejects it (the grammar
-        hit a backend limit) finishes with "error". Returns those rows."""
-        failed = []
-        for i in step.sampling.grammar_rows.tolist():
-            seq = step.sample_seqs[i]
-            if seq.is_finished:
-                continue
-            if not seq.grammar.consume_token(tokens[i]):
-                seq.error = f"structured_outputs: the grammar matcher failed: {seq.grammar.get_error().strip()}"
-                seq.finish_time = now
-                self.scheduler.finish(seq, "error")
-                failed.append(seq)
-        return failed
-
-    def _count_tokens(self, step: StepInputs) -> None:
-        ib = self.input_batch
-        if self.debug_poison:
-            for seq, n in zip((ib.seqs[s] for s in step.slots.tolist()), step.counts.tolist()):
-                self.allocator.check_writable(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
-        s = step.slots
-        # A decode: one token, the sequence's newest, after at least one output token.
-        decode = (step.counts == 1) & (ib.num_tokens[s] > ib.num_prompt[s]) & (ib.num_computed[s] == ib.num_tokens[s] - 1)
-        n_decode = int(decode.sum())
-        self.num_decode_tokens += n_decode
-        self.num_prefill_tokens += step.flat.num_tokens - n_decode
-
-    def _take_tokens(self, step: StepInputs, sampled: SamplerOutput, reserved: bool = False) -> list[Sequence]:
-        """Append the sampled tokens, fill logprobs, and finish the sequences that stop."""
-        tokens = np.asarray(sampled.token_ids, np.int64)
-        if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-            bad = int(tokens[(tokens < 0) | (tokens >= self.vocab_size)][0])
-            raise RuntimeError(f"step {self.num_steps}: the sampler returned token id {bad}, outside the vocabulary "
-                               f"[0, {self.vocab_size}); the logits or the sampling op are broken")
-        ib = self.input_batch
-        if reserved:  # only rows that still hold their slot (not preempted by the step scheduled ahead)
-            held = np.fromiter((s.slot is not None for s in step.sample_seqs), bool, len(tokens))
-            ib.write_tokens(step.sample_slots[held], tokens[held])
-            # A row whose slot went to another sequence meanwhile is checked in full.
-            kept = np.nonzero(held)[0]
-            candidates = np.union1d(kept[ib.stop_candidates(step.sample_slots[kept], tokens[kept],
-                                                            self.config.max_model_len)], np.nonzero(~held)[0])
-        else:
-            ib.append_tokens(step.sample_slots, tokens)
-            candidates = ib.stop_candidates(step.sample_slots, tokens, self.config.max_model_len)
-        now = time.perf_counter()
-        finished = self.scheduler.update_from_output(step.sample_seqs, sampled.token_ids, candidates.tolist(),
-                                                     self.outputs, self.eos_token_ids, now, reserved)
-        self.outputs.record(step.sample_seqs, sampled, step.sampling, now)
-        if step.sampling is not None and step.sampling.grammar_rows is not None:
-            finished += self._advance_grammars(step, sampled.token_ids, now)
-        for seq in finished:
-            if seq.slot is not None:
-                ib.remove(seq)
-        return finished

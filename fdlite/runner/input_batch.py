@@ -9,6 +9,13 @@ token is written into its row. The step's flat inputs (`FlatBatch`) and sampling
 Python and no copy of block tables per token (vLLM v1's persistent `InputBatch`; FastDeploy 2.x's
 `worker/gpu/input_batch.py` in Paddle).
 
+Owned by the worker (`runner/worker.py`), which alone calls it. The scheduler's `Sequence`s stay
+the record of every sequence; a slot's rows here are the device-input copy of a running one: its
+tokens (written when it joins, then one sampled token per step: a position is reserved when the
+step is prepared, its value written when the step's tokens come back), its block ids (appended from
+the scheduler's diff) and its sampling parameters. How many tokens a sequence has computed is read
+from the `Sequence` when a step is prepared, never kept here.
+
 Host only (numpy): the runner copies a `FlatBatch` into its persistent device buffers
 (`runner/forward_buffers.py`).
 """
@@ -24,9 +31,10 @@ from fdlite.kvcache.block_allocator import blocks_for
 from fdlite.layers.forward_meta import FlatBatch, PrefillSpan
 from fdlite.sample.sampler import SamplingBatch, stop_tokens_while_short, token_counts
 from fdlite.runner.sequence import Sequence
+from fdlite.runner.stop_checker import stop_candidates
 
 
-_first, _second, _slot_of = itemgetter(0), itemgetter(1), attrgetter("slot")
+_first, _second, _computed_of = itemgetter(0), itemgetter(1), attrgetter("num_computed_tokens")
 
 
 @dataclass
@@ -38,7 +46,9 @@ class StepInputs:
     counts: np.ndarray  # [rows] tokens computed this step
     sample_seqs: list[Sequence]  # the rows that sample a token this step, in logits order
     sample_slots: np.ndarray  # their slots
+    sample_positions: np.ndarray  # where each sampled token goes in its slot's token row
     sampling: SamplingBatch | None  # None when no row samples
+    num_decode_tokens: int = 0  # rows that compute one token after their last sampled one
 
 
 def flat_batch(token_ids: np.ndarray, rows: np.ndarray, computed: np.ndarray, counts: np.ndarray,
@@ -109,14 +119,15 @@ class InputBatch:
                  eos_token_ids: set[int]):
         n = max_num_seqs
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.seqs: list[Sequence | None] = [None] * n
+        self.slot_of: dict[Sequence, int] = {}  # the slot of each running sequence
         self._free = list(range(n - 1, -1, -1))  # pop() hands out slot 0 first
         self.token_ids = np.zeros((n, max_model_len), np.int32)
-        self.num_tokens = np.zeros(n, np.int64)
+        self.num_tokens = np.zeros(n, np.int64)  # tokens in the row, reserved positions included
         self.num_prompt = np.zeros(n, np.int64)
-        self.num_computed = np.zeros(n, np.int64)
         self.block_table = np.zeros((n, blocks_for(max_model_len, block_size)), np.int32)
         self.num_blocks = np.zeros(n, np.int64)
         # Sampling parameters per slot.
@@ -149,15 +160,15 @@ class InputBatch:
 
     def add(self, seq: Sequence) -> None:
         """Give `seq` a slot and write its row: tokens, blocks, sampling parameters, penalty state."""
+        assert seq.num_output_placeholders <= 1, "a joining sequence's earlier tokens are all known"
         slot = self._free.pop()
-        seq.slot = slot
+        self.slot_of[seq] = slot
         self.seqs[slot] = seq
-        n = seq.num_tokens
+        n = seq.num_known_tokens
         self.token_ids[slot, : seq.num_prompt_tokens] = seq.prompt_token_ids
         self.token_ids[slot, seq.num_prompt_tokens : n] = seq.output_token_ids
         self.num_tokens[slot] = n
         self.num_prompt[slot] = seq.num_prompt_tokens
-        self.num_computed[slot] = seq.num_computed_tokens
         self.num_blocks[slot] = 0
         self.sync_blocks(seq)
         p = seq.params
@@ -185,14 +196,16 @@ class InputBatch:
             self.prompt_seen[slot] = token_counts(seq.prompt_token_ids, self.vocab_size) > 0
 
     def remove(self, seq: Sequence) -> None:
-        """Free `seq`'s slot (finished or preempted); its row is rewritten by the next joiner."""
-        self.seqs[seq.slot] = None
-        self._free.append(seq.slot)
-        seq.slot = None
+        """Free `seq`'s slot (finished or preempted), if it holds one; its row is rewritten by the next joiner."""
+        slot = self.slot_of.pop(seq, None)
+        if slot is not None:
+            self.seqs[slot] = None
+            self._free.append(slot)
 
     def sync_blocks(self, seq: Sequence) -> None:
         """Append the block ids `seq` got since its row was last written (a block table only grows while running)."""
-        slot, have = seq.slot, int(self.num_blocks[seq.slot])
+        slot = self.slot_of[seq]
+        have = int(self.num_blocks[slot])
         new = seq.block_table[have:]
         if new:
             self.block_table[slot, have : have + len(new)] = new
@@ -201,31 +214,29 @@ class InputBatch:
     # ---- one step ----------------------------------------------------------------------------
 
     def prepare_inputs(self, rows: list[tuple[Sequence, int]]) -> StepInputs:
-        """The flat inputs and sampling parameters of the scheduled rows (decodes first)."""
+        """The flat inputs and sampling parameters of the scheduled rows (decodes first), and a
+        reserved position for each row's sampled token. The rows' sequences already count this
+        step's tokens as computed (the scheduler advanced them)."""
         # map/itemgetter/attrgetter: the per-row work of a step runs at C speed (half a genexpr's cost).
         counts = np.fromiter(map(_second, rows), np.int64, len(rows))
         if (counts != 1).any():  # decodes first, each group in scheduler order
             order = np.argsort(counts != 1, kind="stable")
             rows, counts = [rows[i] for i in order.tolist()], counts[order]
         seqs = list(map(_first, rows))
-        slots = np.fromiter(map(_slot_of, seqs), np.int64, len(rows))
-        computed = self.num_computed[slots]
-        samples = computed + counts == self.num_tokens[slots]  # caught up: the last position predicts
+        slots = np.fromiter(map(self.slot_of.__getitem__, seqs), np.int64, len(rows))
+        computed = np.fromiter(map(_computed_of, seqs), np.int64, len(rows)) - counts
+        num_tokens = self.num_tokens[slots]
+        samples = computed + counts == num_tokens  # caught up: the last position predicts
         flat = flat_batch(self.token_ids, slots, computed, counts, self.block_table, self.block_size, samples)
+        # A decode: one token, the sequence's newest, after at least one output token.
+        decodes = (counts == 1) & (num_tokens > self.num_prompt[slots]) & (computed == num_tokens - 1)
         idx = np.nonzero(samples)[0]
         sample_slots = slots[idx]
         sample_seqs = [seqs[i] for i in idx.tolist()] if len(idx) != len(rows) else seqs
         sampling = self.sampling_batch(sample_slots) if len(idx) else None
-        return StepInputs(flat, slots, counts, sample_seqs, sample_slots, sampling)
-
-    def refresh_tokens(self, step: StepInputs) -> StepInputs:
-        """Re-read a prepared step's input tokens and sampling parameters from the slots: async
-        scheduling prepares a step before the previous one's tokens are written."""
-        flat = step.flat
-        flat.input_ids = self.token_ids[step.slots[flat.token_rows], flat.positions].astype(np.int64)
-        if step.sampling is not None:
-            step.sampling = self.sampling_batch(step.sample_slots)
-        return step
+        positions = self.num_tokens[sample_slots]
+        self.num_tokens[sample_slots] += 1
+        return StepInputs(flat, slots, counts, sample_seqs, sample_slots, positions, sampling, int(decodes.sum()))
 
     def sampling_batch(self, slots: np.ndarray) -> SamplingBatch:
         """Sampling parameters of `slots`, gathered from the per-slot arrays."""
@@ -256,35 +267,15 @@ class InputBatch:
             batch.prompt_seen = self.prompt_seen[ps]
         return batch
 
-    def advance(self, step: StepInputs) -> None:
-        """After a step: its tokens are in the cache."""
-        self.num_computed[step.slots] += step.counts
-
-    def append_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """Write each slot's sampled token at its next position (and count it for penalties)."""
-        self.reserve_tokens(slots)
-        self.write_tokens(slots, tokens)
-
-    def reserve_tokens(self, slots: np.ndarray) -> None:
-        """Each slot gets one more token whose value comes later (async scheduling)."""
-        self.num_tokens[slots] += 1
-
-    def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """The values of the slots' reserved last tokens (and their penalty counts)."""
-        self.token_ids[slots, self.num_tokens[slots] - 1] = tokens
+    def write_tokens(self, step: StepInputs, tokens: np.ndarray) -> np.ndarray:
+        """The step's sampled tokens into their reserved positions (and penalty counts); returns the
+        rows (indices into `tokens`) that may stop (`stop_checker.stop_candidates`)."""
+        slots = step.sample_slots
+        self.token_ids[slots, step.sample_positions] = tokens
         if self.output_counts is not None:
             pen = self.has_penalties[slots]
             if pen.any():
                 np.add.at(self.output_counts, (slots[pen], tokens[pen]), 1.0)
-
-    def stop_candidates(self, slots: np.ndarray, tokens: np.ndarray, max_model_len: int) -> np.ndarray:
-        """Rows (indices into `slots`) that may stop after taking `tokens`: EOS, a stop id or string
-        to check, or a length limit. The exact decision (and min_tokens) is `check_stop`'s."""
-        num_output = self.num_tokens[slots] - self.num_prompt[slots]
-        maybe = np.zeros(len(tokens), bool)
-        for e in self.eos_token_ids:  # the engine's set, read each step (it may change); a few ids: cheaper than np.isin
-            maybe |= tokens == e
-        maybe &= ~self.ignore_eos[slots]
-        maybe |= self.has_stop_ids[slots] | self.watch_text[slots]
-        maybe |= (num_output >= self.max_tokens[slots]) | (self.num_tokens[slots] >= max_model_len)
-        return np.nonzero(maybe)[0]
+        return stop_candidates(tokens, step.sample_positions + 1, self.num_prompt[slots], self.max_tokens[slots],
+                               self.ignore_eos[slots], self.has_stop_ids[slots], self.watch_text[slots],
+                               self.eos_token_ids, self.max_model_len)

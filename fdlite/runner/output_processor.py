@@ -1,8 +1,9 @@
 """Text for generated tokens, apart from the step loop: stop strings as tokens arrive, the rest once at the end.
 
-The engine checks stops on token ids (EOS, stop ids, lengths); text is needed per token only for
-a sequence with stop strings, which gets an `IncrementalDetokenizer` (vLLM's output processor does
-the same apart from its core). Every other sequence is decoded once, when it finishes (lazy
+The scheduler checks stops on token ids (EOS, stop ids, lengths); text is needed per token only
+for a sequence with stop strings, which gets an `IncrementalDetokenizer`: each step `process` feeds
+it the new token and reports the rows whose text completed a stop string, for the scheduler to
+finish (vLLM's output processor does the same apart from its core). Every other sequence is decoded once, when it finishes (lazy
 detokenization; nano-vllm decodes only at the end too). The final text is the decode of the output
 tokens, cut before (or after, with `include_stop_str_in_output`) the stop string that ended it.
 
@@ -33,13 +34,23 @@ class OutputProcessor:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                                       stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
 
-    @staticmethod
-    def on_token(seq: Sequence, token: int) -> str | None:
-        """Feed a watched sequence's new token; the stop string it completed, if any.
-
-        Stop strings count only once min_tokens are out (the token just appended included).
-        """
-        return seq.detokenizer.append(token, check_stop=len(seq.output_token_ids) >= seq.params.min_tokens)
+    def process(self, seqs: list[Sequence], sampled, sampling, candidates: list[int], now: float) -> dict[int, str]:
+        """One step's sampled rows (`seqs`, in logits order), before the scheduler takes their tokens:
+        first-token times, the logprobs of the rows that asked, and each watched candidate's new
+        text. Returns {row: stop string} for the rows whose text completed one."""
+        if sampled is None:
+            return {}
+        self.record(seqs, sampled, sampling, now)
+        stops = {}
+        for i in candidates:
+            seq = seqs[i]
+            if seq.detokenizer is not None:
+                # Stop strings count only once min_tokens are out (this token included).
+                s = seq.detokenizer.append(sampled.token_ids[i],
+                                           check_stop=len(seq.output_token_ids) + 1 >= seq.params.min_tokens)
+                if s is not None:
+                    stops[i] = s
+        return stops
 
     def text(self, seq: Sequence) -> str:
         """The output text of a finished (or aborted) sequence."""

@@ -23,6 +23,13 @@ in later steps, while decodes keep running. FastDeploy's limits on prefills span
   start first.
 Sequences passed over (for these limits or to wait for a shared block) keep their place; at most
 `max_num_seqs` are passed over per step, which bounds the scan of a long queue.
+
+The scheduler alone advances and finishes `Sequence`s. `schedule()` counts the scheduled tokens as
+computed and gives each row that will sample a placeholder token (vLLM v1's
+`_update_after_schedule` and `num_output_placeholders`), so the next step can be scheduled before
+this one's tokens are known (async scheduling) with no other call. `update_from_output` turns the
+placeholders into the sampled tokens, offers the blocks that became full to the prefix cache,
+advances grammars and finishes the rows that stop.
 """
 
 from __future__ import annotations
@@ -37,22 +44,17 @@ from fdlite.runner.sequence import Sequence, SequenceStatus
 from fdlite.runner.stop_checker import check_stop
 
 
-PLACEHOLDER_TOKEN = -1  # a reserved output token whose value the running step will give
-
-
 @dataclass
 class ScheduledBatch:
-    """What changed this step (vLLM's `SchedulerOutput`): the rows to run and the diff the persistent
-    batch applies (preempted sequences leave, grown ones append blocks, joined ones take a slot)."""
+    """What changed this step (vLLM's `SchedulerOutput`): the rows to run and the diff the worker's
+    persistent batch applies (finished and preempted sequences leave, grown ones append blocks,
+    joined ones take a slot)."""
 
     rows: list[tuple[Sequence, int]]  # (sequence, tokens computed this step), in priority order
     preempted: list[Sequence] = field(default_factory=list)
     grown: list[Sequence] = field(default_factory=list)  # running sequences that got new blocks
     joined: list[Sequence] = field(default_factory=list)  # sequences admitted from the queue this step
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.rows)
+    finished: list[Sequence] = field(default_factory=list)  # finished or aborted since the last schedule
 
 
 class Scheduler:
@@ -71,6 +73,9 @@ class Scheduler:
         # Sequences whose prefill spans steps and is unfinished -> whether it counts as long.
         self.partial_prefills: dict[Sequence, bool] = {}
         self.num_preemptions = 0
+        self.eos_token_ids: set[int] = set()  # the engine's (model + tokenizer EOS)
+        self._left: list[Sequence] = []  # finished since the last schedule: the next batch tells the worker
+        self._latest: ScheduledBatch | None = None  # the last batch handed out
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,6 +84,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        batch = self._schedule()
+        batch.finished, self._left = self._left, []
+        self._update_after_schedule(batch)
+        self._latest = batch
+        return batch
+
+    def _update_after_schedule(self, batch: ScheduledBatch) -> None:
+        """The rows' tokens count as computed now (the forwards run in order, so any later step reads
+        them); each row that catches up samples a token whose value comes later: a placeholder."""
+        for seq, n in batch.rows:
+            c = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if c == seq.num_tokens:
+                seq.num_output_placeholders += 1
+
+    def _schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch(rows=[])
         slot = self._prefill_slot()
@@ -202,7 +222,7 @@ class Scheduler:
         """Hashes of the full blocks `seq` has still to compute (in this step or later ones)."""
         cache = self.allocator.prefix_cache
         first = seq.num_computed_tokens // self.block_size
-        return cache.seq_hashes(seq, seq.num_tokens // self.block_size)[first:]
+        return cache.seq_hashes(seq, seq.num_tokens // self.block_size)[first:]  # known tokens only
 
     def _blocks_in_flight(self, batch: ScheduledBatch) -> set[bytes] | None:
         """Hashes of full blocks that running prefills are computing; None without prefix caching."""
@@ -219,7 +239,7 @@ class Scheduler:
     def _next_block_in_flight(self, seq: Sequence, num_hits: int, in_flight: set[bytes] | None) -> bool:
         """Whether the first block `seq` would compute is being computed by another sequence now,
         so that waiting a step turns it into a cache hit."""
-        if not in_flight or num_hits >= (seq.num_tokens - 1) // self.block_size:
+        if not in_flight or num_hits >= min(seq.num_tokens - 1, seq.num_known_tokens) // self.block_size:
             return False
         return self.allocator.prefix_cache.seq_hashes(seq, num_hits + 1)[num_hits] in in_flight
 
@@ -237,43 +257,51 @@ class Scheduler:
 
     # ---- after a step ------------------------------------------------------------------------
 
-    def update_after_step(self, rows: list[tuple[Sequence, int]]) -> None:
-        """The rows' tokens are in the cache now; offer blocks that became full to the prefix cache
-        (before any finished sequence lets go of them)."""
-        bs = self.block_size
-        caching = self.allocator.prefix_cache is not None
-        for seq, n in rows:
-            c = seq.num_computed_tokens = seq.num_computed_tokens + n
-            if caching and c // bs > seq.num_hashed_blocks:
-                self.allocator.cache_full_blocks(seq)
-
-    def reserve_tokens(self, seqs: list[Sequence]) -> None:
-        """Async scheduling: each of `seqs` gets a placeholder last token, so the next step can be
-        scheduled before this one's tokens are known (`update_from_output(reserved=True)` fills them)."""
-        for seq in seqs:
-            seq.output_token_ids.append(PLACEHOLDER_TOKEN)
-
-    def update_from_output(self, seqs: list[Sequence], tokens: list[int], candidates: list[int], outputs,
-                           eos_token_ids: set[int], now: float, reserved: bool = False) -> list[Sequence]:
-        """Append each row's sampled token (or fill its reserved place); finish the rows that stop
-        (`candidates`: the only rows that may, found on token ids by the persistent batch).
-        Returns the finished sequences."""
-        if reserved:
-            for seq, token in zip(seqs, tokens):
-                seq.output_token_ids[-1] = token
-        else:
-            for seq, token in zip(seqs, tokens):
-                seq.output_token_ids.append(token)
+    def update_from_output(self, scheduled: ScheduledBatch, seqs: list[Sequence], tokens: list[int],
+                           candidates: list[int], stop_strings: dict[int, str], now: float) -> list[Sequence]:
+        """A step's results: `seqs` (its rows that sampled, in logits order) take `tokens` in place of
+        their placeholders; blocks that became full go to the prefix cache (before any finished
+        sequence lets go of them); `candidates` (the rows that may stop, found on token ids by the
+        worker) are checked, with the stop string the output processor found in a row's text; a
+        constrained row's grammar takes its token. Returns the sequences that finished."""
+        constrained = []
+        for seq, token in zip(seqs, tokens):
+            seq.output_token_ids.append(token)
+            seq.num_output_placeholders -= 1
+            if seq.grammar is not None:
+                constrained.append((seq, token))
+        if self.allocator.prefix_cache is not None:
+            bs = self.block_size
+            for seq, _ in scheduled.rows:
+                if min(seq.num_computed_tokens, seq.num_known_tokens) // bs > seq.num_hashed_blocks:
+                    self.allocator.cache_full_blocks(seq)
         finished = []
         for i in candidates:
             seq, token = seqs[i], tokens[i]
-            stop_str = outputs.on_token(seq, token) if seq.detokenizer is not None else None
-            stop = check_stop(seq, token, stop_str, eos_token_ids, self.max_model_len)
+            if seq.is_finished:
+                continue
+            stop = check_stop(seq, token, stop_strings.get(i), self.eos_token_ids, self.max_model_len)
             if stop is not None:
                 seq.finish_time = now
                 self.finish(seq, *stop)
                 finished.append(seq)
+        for seq, token in constrained:
+            if not seq.is_finished and not seq.grammar.consume_token(token):
+                # The grammar hit a backend limit: the row ends with an error, the batch goes on.
+                seq.error = f"structured_outputs: the grammar matcher failed: {seq.grammar.get_error().strip()}"
+                seq.finish_time = now
+                self.finish(seq, "error")
+                finished.append(seq)
+        if finished and self._latest is not None and self._latest is not scheduled:
+            self._drop_from_latest(set(finished))
         return finished
+
+    def _drop_from_latest(self, gone: set[Sequence]) -> None:
+        """Async scheduling: the batch scheduled ahead holds rows that finished meanwhile; they leave it
+        before the worker prepares it (their blocks are free already)."""
+        b = self._latest
+        b.rows = [(s, n) for s, n in b.rows if s not in gone]
+        b.grown = [s for s in b.grown if s not in gone]
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished sequence, running or waiting."""
@@ -285,6 +313,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark a running sequence finished and free its blocks (their full blocks stay cached)."""
         was_running = seq.status is SequenceStatus.RUNNING
+        self._left.append(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

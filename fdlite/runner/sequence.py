@@ -4,6 +4,13 @@ A request with `n > 1` becomes n sequences that share the prompt (through the pr
 children share its KV blocks too). After preemption a sequence keeps its output tokens and
 recomputes their KV with the prompt (`num_computed_tokens` back to 0), minus what the prefix cache
 still holds of it.
+
+Who writes what: the scheduler (with its block allocator) owns the record: status, tokens
+(`output_token_ids`, `num_output_placeholders`), `num_computed_tokens`, `block_table` and the
+prefix-cache hashes, and finishes the sequence. The output processor writes what only the outputs
+read (`first_token_time`, `logprobs`, `cumulative_logprob`, the detokenizer's state). The worker's
+persistent batch keeps a device-input copy of a running sequence's tokens and blocks, written from
+the scheduler's diffs (`runner/input_batch.py`); it writes nothing here.
 """
 
 from __future__ import annotations
@@ -37,7 +44,11 @@ class Sequence:
     grammar: object | None = None  # llguidance matcher, only for structured outputs (structured/matcher.py)
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    # Tokens scheduled to be sampled whose values have not come back yet (vLLM's
+    # `num_output_placeholders`): `schedule()` adds one for each row that samples, `update_from_output`
+    # turns it into a token. Under async scheduling a row can have two (this step's and the next's).
+    num_output_placeholders: int = 0
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache once the steps scheduled so far ran
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks, filled lazily
     num_hashed_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
@@ -49,7 +60,6 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
-    slot: int | None = None  # row in the persistent batch while running (runner/input_batch.py)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -60,6 +70,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output tokens, placeholders included: what the scheduler schedules against."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + output tokens whose values are known (what hashing and stop checks read)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -74,10 +90,6 @@ class Sequence:
         if end <= p:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
-
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def is_finished(self) -> bool:
