@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1
 if [[ -f "$KIT/device-setup.sh" ]]; then
   eval "$(bash "$KIT/device-setup.sh" env)"
 fi
-export FDLITE_OPS_CACHE=${FDLITE_OPS_CACHE:-/tmp/fdlite_ops_cache}
+export FDLITE_OPS_CACHE=${FDLITE_OPS_CACHE:-${TMPDIR:-/tmp}/fdlite_ops_cache}
 mkdir -p "$OUT"
 
 machine_header() {

@@ -23,6 +23,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -35,8 +36,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown"])
-ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/fdl_e2e_out")
-ap.add_argument("--models", default="/tmp/fdl_e2e_models")
+ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
+ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
 ap.add_argument("--families", default="qwen2,qwen3,llama", help="fp32 parity families ('' for none)")
 ap.add_argument("--skip-bf16", action="store_true")

@@ -9,7 +9,7 @@
 # ("parity=170 graphs=100 hf_bench=90 throughput=230": seconds per section), HARNESS_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/fdl_e2e_out}
+OUT=${OUT:-${TMPDIR:-/tmp}/fdl_e2e_out}
 source tools/gpu/device_env.sh
 export GLOG_minloglevel=2
 LOG=$OUT/e2e_log.txt

@@ -2,7 +2,7 @@
 # Device side, one call after Paddle is staged: builds fdlite's GPU ops with the machine's nvcc for
 # sm_90 and runs tools/gpu/ops_harness.py (every op vs a float64 reference, eager and in CUDA
 # graphs, on NaN-seeded memory; then micro-benchmarks). Results: $OUT/ops_results.json and
-# $OUT/ops_log.txt (OUT default /tmp/fdl_ops_out).
+# $OUT/ops_log.txt (OUT default $TMPDIR/fdl_ops_out, TMPDIR defaulting to /tmp).
 #
 # From the copied project root on the GPU machine, with ../shared/gpu-paddle copied to KIT:
 #   bash $KIT/device-setup.sh setup && bash tools/gpu/run_ops_tests.sh
@@ -11,7 +11,7 @@
 # (e.g. "--quick --no-bench"), LIMIT_S (default 480: the harness is killed after this).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/fdl_ops_out}
+OUT=${OUT:-${TMPDIR:-/tmp}/fdl_ops_out}
 source tools/gpu/device_env.sh
 machine_header 2>&1 | grep -v -E "compute capability|Please NOTE: device|has been registered" | tee "$OUT/ops_log.txt"
 t0=$SECONDS
