@@ -314,7 +314,7 @@ def section_hf_bench():
         path = qwen3_06b()
         prompts, outs = protocol()
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        batch = order[:64] if not ARGS.quick else order[:16]  # the first batch of 64 by length (time: see docs)
+        batch = order[:64] if not ARGS.quick else order[:16]  # the first batch of 64 by length (time: see docs/benchmarks.md)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(HF_DEVICE).eval()
         width = max(len(prompts[i]) for i in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)

