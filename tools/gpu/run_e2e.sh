@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device side, after Paddle is staged (see docs/benchmarks.md, "GPU: fdlite end to end"): builds fdlite's
+# Device side, after Paddle is staged (see docs/benchmarks.md, "GPU: how the runs were made"): builds fdlite's
 # GPU ops with the machine's nvcc for sm_90, then runs tools/gpu/e2e_harness.py sections, one process each,
 # each under its own time limit. Results: $OUT/<section>.json and $OUT/e2e_log.txt.
 #

@@ -7,7 +7,7 @@
 # From the copied project root on the GPU machine, with the Paddle 2.6.2 staging kit copied to KIT
 # (docs/design.md, "The GPU host framework"):
 #   bash $KIT/device-setup.sh setup && bash tools/gpu/run_ops_tests.sh
-# (see docs/benchmarks.md, "GPU: fdlite ops", for the exact staging calls).
+# (see docs/benchmarks.md, "GPU: how the runs were made", for the exact staging calls).
 # Env: KIT (the kit's folder, holding device-setup.sh; default: shared/gpu-paddle beside tools/), HARNESS_ARGS
 # (e.g. "--quick --no-bench"), LIMIT_S (default 480: the harness is killed after this).
 set -uo pipefail
