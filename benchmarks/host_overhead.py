@@ -51,10 +51,10 @@ from dataclasses import asdict, dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # phase -> candidate functions, "Class.method" or "function", found in the loaded fdlite modules; the first
-# that exists is timed, names that do not exist are skipped. The first candidate is the redesigned code's
-# name (issue 12), the next the code before it. After the redesign "schedule" is the scheduler plus applying
-# its diff to the persistent batch, and "output" is the token stop checks and the output processor's record
-# (`Engine._take_tokens`). Before the redesign output processing (detokenization,
+# that exists is timed, names that do not exist are skipped. The first candidate is the name in the code
+# since the engine-step redesign, the next the one before it (c1f31ec). After the redesign "schedule" is
+# the scheduler plus applying its diff to the persistent batch, and "output" is the token stop checks and
+# the output processor's record (`Engine._take_tokens`). Before the redesign output processing (detokenization,
 # stop checks) is inlined in Engine.step, so its exclusive time (the step minus the phases timed inside it)
 # is the output-processing row there.
 PHASES: dict[str, list[str]] = {

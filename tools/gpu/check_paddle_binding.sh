@@ -7,10 +7,11 @@
 #   PADDLE_INCLUDE=/path/to/paddle/include bash tools/gpu/check_paddle_binding.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+WORK=$(mktemp -d)
 if [[ -z "${PADDLE_INCLUDE:-}" ]]; then
   if [[ -f .gpu_paddle_include.tgz ]]; then  # carried next to the tree by the GPU run
-    mkdir -p /tmp/paddle_inc && tar xzf .gpu_paddle_include.tgz -C /tmp/paddle_inc
-    PADDLE_INCLUDE=/tmp/paddle_inc/include
+    mkdir -p "$WORK/paddle_inc" && tar xzf .gpu_paddle_include.tgz -C "$WORK/paddle_inc"
+    PADDLE_INCLUDE=$WORK/paddle_inc/include
   else
     PADDLE_INCLUDE=$(python3 -c "import paddle; print(paddle.sysconfig.get_include())")
   fi
@@ -31,8 +32,8 @@ ls "$PY_INC/Python.h" >/dev/null
 set -x
 g++ -std=c++17 -O2 -fPIC -c -DPADDLE_WITH_CUDA -DPADDLE_WITH_CUSTOM_KERNEL \
   -DPADDLE_EXTENSION_NAME=fdlite_ops -D_GLIBCXX_USE_CXX11_ABI=1 -w "${INCS[@]}" \
-  fdlite/kernels/csrc/paddle_binding.cc -o /tmp/paddle_binding_cuda.o
+  fdlite/kernels/csrc/paddle_binding.cc -o "$WORK/paddle_binding_cuda.o"
 set +x
-echo "paddle_binding.cc compiled with PADDLE_WITH_CUDA: $(stat -c %s /tmp/paddle_binding_cuda.o) bytes"
+echo "paddle_binding.cc compiled with PADDLE_WITH_CUDA: $(stat -c %s "$WORK/paddle_binding_cuda.o") bytes"
 echo "undefined Paddle symbols it expects from a GPU libpaddle.so:"
-nm -C --undefined-only /tmp/paddle_binding_cuda.o | grep -E "paddle::|phi::" | sed 's/^ *U /  /' | head -20
+nm -C --undefined-only "$WORK/paddle_binding_cuda.o" | grep -E "paddle::|phi::" | sed 's/^ *U /  /' | head -20

@@ -23,6 +23,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -35,8 +36,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown"])
-ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/fdl_e2e_out")
-ap.add_argument("--models", default="/tmp/fdl_e2e_models")
+ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
+ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
 ap.add_argument("--families", default="qwen2,qwen3,llama", help="fp32 parity families ('' for none)")
 ap.add_argument("--skip-bf16", action="store_true")
@@ -313,7 +314,7 @@ def section_hf_bench():
         path = qwen3_06b()
         prompts, outs = protocol()
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        batch = order[:64] if not ARGS.quick else order[:16]  # the first batch of 64 by length (time: see docs)
+        batch = order[:64] if not ARGS.quick else order[:16]  # the first batch of 64 by length (time: see docs/benchmarks.md)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(HF_DEVICE).eval()
         width = max(len(prompts[i]) for i in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)

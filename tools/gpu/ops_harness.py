@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -36,7 +37,7 @@ for _name, _path in (("fdlite", ROOT / "fdlite"), ("fdlite.kernels", ROOT / "fdl
         sys.modules[_name] = _m
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/fdl_ops_out")
+ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_ops_out"))
 ap.add_argument("--quick", action="store_true", help="fewer shapes, no long contexts")
 ap.add_argument("--no-bench", action="store_true")
 ap.add_argument("--lib", default=None, help="prebuilt library (default: build into the cache)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Decode step time vs batch (eager, CUDA graphs, graph body on the GPU, roofline) from a throughput.json
-that tools/gpu/e2e_harness.py wrote; a PNG for docs/. Needs matplotlib (on the GPU machine's image).
+that tools/gpu/e2e_harness.py wrote; a PNG for results/gpu/. Needs matplotlib (on the GPU machine's image).
 
     python3 tools/gpu/plot_step_times.py THROUGHPUT_JSON OUT_PNG
 """

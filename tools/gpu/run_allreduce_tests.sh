@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Builds fdlite's custom all-reduce on the GPU machine and runs every test and benchmark
 # that machine allows, in priority order, each under its own time limit so that one hang
-# cannot eat the whole call. Logs and JSON results go to $OUT (default /tmp/fdar_out).
+# cannot eat the whole call. Logs and JSON results go to $OUT (default $TMPDIR/fdar_out, TMPDIR defaulting to /tmp).
 #   bash tools/gpu/run_allreduce_tests.sh            (from the repository root or anywhere)
 # Env: BUDGET_S (default 560): stop starting steps once this many seconds have gone;
 #      REPLAYS (default 10000): graph replays per world size in the sim test;
 #      ONLY (a bash regex, default all): run only the steps whose names match.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/fdar_out}
+OUT=${OUT:-${TMPDIR:-/tmp}/fdar_out}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-560}
 REPLAYS=${REPLAYS:-10000}

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Device side, after Paddle is staged (see docs/benchmarks.md, "GPU: fdlite end to end"): builds fdlite's
+# Device side, after Paddle is staged (see docs/benchmarks.md, "GPU: how the runs were made"): builds fdlite's
 # GPU ops with the machine's nvcc for sm_90, then runs tools/gpu/e2e_harness.py sections, one process each,
 # each under its own time limit. Results: $OUT/<section>.json and $OUT/e2e_log.txt.
 #
 #   bash $KIT/device-setup.sh setup && SECTIONS="parity graphs" bash tools/gpu/run_e2e.sh
 #   SECTIONS="hf_bench throughput" bash tools/gpu/run_e2e.sh      (a second call while the machine is warm)
-# Env: KIT (dir of device-setup.sh; default shared/gpu-paddle beside tools/), SECTIONS, LIMITS
+# Env: KIT (the Paddle 2.6.2 staging kit's folder, holding device-setup.sh; default shared/gpu-paddle beside tools/;
+# docs/design.md, "The GPU host framework"), SECTIONS, LIMITS
 # ("parity=170 graphs=100 hf_bench=90 throughput=230": seconds per section), HARNESS_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/fdl_e2e_out}
+OUT=${OUT:-${TMPDIR:-/tmp}/fdl_e2e_out}
 source tools/gpu/device_env.sh
 export GLOG_minloglevel=2
 LOG=$OUT/e2e_log.txt

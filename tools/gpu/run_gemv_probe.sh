@@ -2,7 +2,8 @@
 # Device: build and run the standalone row-dot GEMV / PDL probe (gemv_pdl_bench.cu); no Paddle needed.
 # Usage (from the project root, on the GPU machine): OUT=dir bash tools/gpu/run_gemv_probe.sh
 set -u
-OUT=${OUT:-/tmp/gemv_probe}
+OUT=${OUT:-${TMPDIR:-/tmp}/gemv_probe_out}
+BIN=$(mktemp -d)/gemv_probe
 mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
 flags=()
@@ -15,8 +16,8 @@ for p in site.getsitepackages():
 PY
 ); do flags+=("-I$d/include" "-L$d/lib" "-Xlinker" "-rpath=$d/lib"); done
 nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 "$here/gemv_pdl_bench.cu" "${flags[@]}" -lcublasLt \
-  -o /tmp/gemv_probe 2>&1 | tail -5
+  -o "$BIN" 2>&1 | tail -5
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
-/tmp/gemv_probe | tee "$OUT/gemv_probe.jsonl"
-cuobjdump --dump-sass /tmp/gemv_probe 2>/dev/null | awk '/Function : .*rowdotILi1ELi12ELi1ELb0/{p=1} /Function : .*rowdotILi1ELi12ELi1ELb1/{p=2} /Function/ && !/rowdotILi1ELi12ELi1/{p=0} p' \
+"$BIN" | tee "$OUT/gemv_probe.jsonl"
+cuobjdump --dump-sass "$BIN" 2>/dev/null | awk '/Function : .*rowdotILi1ELi12ELi1ELb0/{p=1} /Function : .*rowdotILi1ELi12ELi1ELb1/{p=2} /Function/ && !/rowdotILi1ELi12ELi1/{p=0} p' \
   | grep -nE "Function|LDG|LDGSTS|DEPBAR|ACQ|griddep|PREEXIT|BAR|FFMA" | head -80 > "$OUT/sass_order.txt"
