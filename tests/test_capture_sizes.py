@@ -1,4 +1,4 @@
-"""Capture-size lists and padding, against the seed's list (graph_optimization.md)."""
+"""Capture-size lists and padding, against FastDeploy's list (docs/design.md, section "CUDA-graph capture sizes and padding")."""
 
 import numpy as np
 import paddle
@@ -9,7 +9,7 @@ from fdlite.graph.capture_sizes import (decode_capture_sizes, padded_size, prefi
 from fdlite.layers.forward_meta import FlatBatch
 from fdlite.runner.forward_buffers import ForwardBuffers
 
-# Written out from the seed page, not computed by the code under test.
+# Written out from FastDeploy's guide, not computed by the code under test.
 SEED = ([1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128]
         + [144, 160, 176, 192, 208, 224, 240, 256]
         + [288, 320, 352, 384, 416, 448, 480, 512, 544, 576, 608, 640, 672, 704, 736, 768, 800, 832, 864, 896,
@@ -34,7 +34,7 @@ def test_user_list_and_max_capture_size_override():
     assert decode_capture_sizes(64, user_sizes=[1, 3, 5, 7, 9]) == [1, 3, 5, 7, 9]
     assert decode_capture_sizes(4, user_sizes=[1, 3, 5, 7, 9]) == [1, 3]  # never above max_num_seqs
     assert decode_capture_sizes(256, max_capture_size=32) == [1, 2, 4, 8, 16, 24, 32]
-    assert prefill_capture_sizes(8192)[-1] == 512  # seed pr3459's default prefill cap
+    assert prefill_capture_sizes(8192)[-1] == 512  # FastDeploy's default prefill cap (PR #3459)
     assert prefill_capture_sizes(100)[-1] == 100
 
 

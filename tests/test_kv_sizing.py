@@ -1,4 +1,4 @@
-"""The KV-cache sizing formula (DESIGN.md) fed with measured-looking numbers."""
+"""The KV-cache sizing formula (docs/design.md, section "KV-cache sizing") fed with measured-looking numbers."""
 
 from fdlite.kvcache.sizing import GRAPH_OVERHEAD_BYTES, MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for
 

@@ -142,7 +142,7 @@ def test_200_constrained_requests_validate_and_repeat(llm):
         assert stopped >= (3 if kind.endswith("json_object") else 0.7 * (stopped + length)), counts
     print("stop/length per kind:", counts, "tokens:", sum(len(o.outputs[0].token_ids) for o in first),
           "steps:", llm.last_generate_stats["num_steps"], "s:", llm.last_generate_stats["elapsed_s"])
-    # The whole run again, same seeds: every output identical (the repeatability point).
+    # The whole run again, same seeds: every output identical (same seeds, same outputs).
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in again] == [[c.token_ids for c in o.outputs] for o in first]
     assert llm.engine.structured.num_compiled == len(KINDS)  # one compiled matcher per distinct constraint

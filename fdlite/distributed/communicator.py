@@ -5,8 +5,8 @@ Layers call `tensor_parallel_all_reduce(x)`, a module function rather than a met
 layer holds: SOT must see one fixed function to keep out of its graphs (it is an opaque graph break,
 like attention: `graph/graph_break.py`), and there is one tensor-parallel group per process anyway.
 
-`enable_custom_all_reduce` (FastDeploy's option) uses `custom_all_reduce.CustomAllReduce` (the
-GPU-kernels issue) for messages it accepts (`should_use`), NCCL for the rest. When that module or its
+`enable_custom_all_reduce` (FastDeploy's option) uses `custom_all_reduce.CustomAllReduce` (fdlite's
+CUDA all-reduce, fdlite/kernels/csrc) for messages it accepts (`should_use`), NCCL for the rest. When that module or its
 CUDA library is missing, or the device is a CPU, one log line says so and everything goes through
 `paddle.distributed`. All ranks agree on the choice (an all-reduce of each rank's answer) before any
 layer runs: a rank on the custom path and one on NCCL would wait on each other forever.

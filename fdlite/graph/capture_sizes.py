@@ -1,6 +1,6 @@
 """Which batch sizes (or token counts) get a CUDA graph, and which captured size a batch runs in.
 
-FastDeploy's candidate list (seed: graph_optimization.md) cut to [1, max_num_seqs], always with
+FastDeploy's candidate list (FastDeploy's graph-optimization guide; docs/design.md, section "CUDA-graph capture sizes and padding") cut to [1, max_num_seqs], always with
 max_num_seqs itself; a user list overrides it. A batch of n runs in the smallest captured size >= n
 (its extra rows are padding); above the largest size it runs eagerly.
 """
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import bisect
 
-# Prefill-only graphs are keyed by token count; seed pr3459 caps them at 512 tokens by default.
+# Prefill-only graphs are keyed by token count; FastDeploy's prefill-in-graph change (PR #3459) caps them at 512 tokens by default.
 DEFAULT_MAX_PREFILL_CAPTURE = 512
 
 
 def candidate_capture_sizes() -> list[int]:
     """[1, 2, 4, 8, 16, ..., 128, 144, ..., 256, 288, ..., 1024] as in FastDeploy.
 
-    The seed page's comment (and DESIGN.md) says the last range is (256, 288, ..., 1024]; its code
+    FastDeploy's guide says in its comment (docs/design.md, section "CUDA-graph capture sizes and padding") the last range is (256, 288, ..., 1024]; its code
     writes range(17, 33), which would skip 288..512. The comment's list is the one meant.
     """
     sizes = [1, 2, 4] + [8 * i for i in range(1, 17)]
@@ -51,7 +51,7 @@ def padded_size(sizes: list[int], n: int) -> int | None:
 
 
 def worst_case_prefill_split(num_tokens: int, max_seqs: int) -> list[int]:
-    """Token count per sequence for capturing a prefill graph of `num_tokens` (seed pr3459).
+    """Token count per sequence for capturing a prefill graph of `num_tokens` (docs/design.md, section "Prefill graphs: the worst-case split").
 
     Kernels whose grid depends on how tokens split across sequences are sized by the worst case:
     max_seqs - 1 sequences of one token and one holding the rest. Any real split then fits.

@@ -1,6 +1,6 @@
 """`support_graph_optimization`: the class decorator that opts a model's inner layer into graph optimization.
 
-As in FastDeploy (seed: graph_optimization.md), it goes on the `nn.Layer` subclass holding the
+As in FastDeploy (its graph-optimization guide; docs/design.md, section "Sources"), it goes on the `nn.Layer` subclass holding the
 embedding, the decoder layers and the final norm, and the layer is then called with keyword arguments.
 Until a backend is attached the layer runs its own (dynamic) forward; the model runner attaches a
 `GraphOptBackend` that runs the SOT-translated forward and replays CUDA graphs.

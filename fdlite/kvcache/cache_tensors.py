@@ -23,7 +23,7 @@ POISON_VALUE = 3.0e4  # finite in float16 too
 
 
 def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: str) -> int:
-    """DESIGN.md's formula: K and V, every layer, one block."""
+    """K and V, every layer, one block (docs/design.md, section "KV-cache sizing"), every layer, one block."""
     return 2 * num_layers * block_size * kv_heads * head_dim * _DTYPE_BYTES[dtype]
 
 

@@ -1,4 +1,4 @@
-"""Device memory statistics for sizing the KV cache (DESIGN.md step 3), from Paddle's allocator.
+"""Device memory statistics for sizing the KV cache (docs/design.md, "Startup order" step 3 and "KV-cache sizing"), from Paddle's allocator.
 
 Only calls that exist in both Paddle 2.6 and 3.x, or feature-detected: the profiling run reads
 them on a GPU; on CPU there are none (the cache size comes from `kv_cache_memory_bytes`).

@@ -1,4 +1,4 @@
-"""How many KV-cache blocks fit: DESIGN.md's formula fed with the profiling run's measured numbers.
+"""How many KV-cache blocks fit: the formula of docs/design.md (section "KV-cache sizing") fed with the profiling run's measured numbers.
 
 available = total * gpu_memory_utilization - used_after_profile
             - (peak_during_profile - allocated_before_profile) + temporary_kv_bytes - graph_reserve
@@ -45,7 +45,7 @@ def graph_reserve_bytes(profile: MemoryProfile, largest_capture_tokens: int, num
 
 
 def kv_cache_bytes(profile: MemoryProfile, gpu_memory_utilization: float, graph_reserve: int) -> int:
-    """Bytes left for the KV cache (DESIGN.md's formula, minus the graph reserve)."""
+    """Bytes left for the KV cache (docs/design.md, section "KV-cache sizing": the formula, minus the graph reserve)."""
     return int(
         profile.total * gpu_memory_utilization
         - profile.used_after

@@ -3,9 +3,9 @@
 One runner serves one kind of batch: decode-only batches keyed by batch size, or (with
 `cudagraph_only_prefill`) prefill-only batches keyed by token count. Inside a graph every token is
 its own attention row: it carries its sequence's block table and attends to positions <= its own,
-so one captured graph serves every split of the same token count (the seed's "last request comes
+so one captured graph serves every split of the same token count (FastDeploy's "last request comes
 out garbled" bug was a graph captured for one split and replayed for another). Captures use the
-seed's worst-case split anyway, and the verify step replays each graph on a different split.
+worst-case split anyway (docs/design.md, section "Prefill graphs: the worst-case split"), and the verify step replays each graph on a different split.
 
 The graphs read the runner's persistent input buffers (`runner/forward_buffers.py`), the same
 tensors eager steps use, written in place every step, so their addresses never change: the
@@ -69,7 +69,7 @@ class CudaGraphRunner:
     def dummy_batch(self, size: int, seed: int, worst_case: bool) -> FlatBatch:
         """A batch of `size` tokens with distinct cache slots (so replays are deterministic).
 
-        worst_case: the seed's capture split (rows of one token and one long row); otherwise a
+        worst_case: the worst-case capture split (rows of one token and one long row); otherwise a
         random split, which is what the verify step replays.
         """
         rng = np.random.default_rng(seed)
@@ -115,7 +115,7 @@ class CudaGraphRunner:
     def capture_all(self, recorder=None, verify: bool = True, tolerance: float = 1e-4) -> None:
         """Capture every size, largest first (one shared memory pool), each after an eager warm-up.
 
-        The warm-up is where SOT translates (inside capture, as the seed requires); its translation
+        The warm-up is where SOT translates (inside capture: docs/design.md, section "SOT inside capture inside capture_custom_allreduce"); its translation
         count is recorded as a "sot_translate" event.
         """
         for size in sorted(self.sizes, reverse=True):

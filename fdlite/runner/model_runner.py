@@ -103,7 +103,7 @@ class ModelRunner:
         return bytes_per_block(c.num_hidden_layers, self.config.block_size, self.tp.num_kv_heads, c.head_dim, self.dtype)
 
     def profile_run(self) -> MemoryProfile | None:
-        """DESIGN.md step 2: an eager dummy prefill with a temporary cache.
+        """docs/design.md, "Startup order" step 2: an eager dummy prefill with a temporary cache.
 
         On GPU the prefill is the largest step (max_num_batched_tokens tokens over max_num_seqs rows)
         and the measured memory numbers come back. On CPU nothing is measured (the cache size comes from
@@ -143,7 +143,7 @@ class ModelRunner:
         return even_split(tokens, c.max_num_seqs)
 
     def num_blocks_to_allocate(self, profile: MemoryProfile | None) -> int:
-        """DESIGN.md step 3, agreed over ranks: every rank schedules the same blocks, so all take the fewest any can hold."""
+        """docs/design.md, "Startup order" step 3, agreed over ranks: every rank schedules the same blocks, so all take the fewest any can hold."""
         local = self._local_num_blocks(profile)
         if self.parallel.world_size == 1:
             return local
@@ -214,7 +214,7 @@ class ModelRunner:
         return decode_capture_sizes(self.config.max_num_seqs, g.cudagraph_capture_sizes, g.max_capture_size)
 
     def setup_graph_optimization(self, recorder: PhaseRecorder) -> None:
-        """DESIGN.md step 4: attach the SOT backend, then warm it up or capture CUDA graphs (SOT inside capture)."""
+        """docs/design.md, "Startup order" step 4: attach the SOT backend, then warm it up or capture CUDA graphs (SOT inside capture)."""
         g = self.config.graph_optimization_config
         layer = self.model.model
         if g.graph_opt_level >= 1:

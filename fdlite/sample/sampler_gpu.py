@@ -7,7 +7,7 @@ same token sets as the CPU's top-k / top-p / min-p; where a CPU and a GPU draw d
 token of the kept set u lands on (integer masses vs float64 sums), not in the distribution.
 
 What crosses to the host per step: the sampled ids. Rows that ask for logprobs also copy their raw
-logits back (log-softmax and top-k on the host, as the issue allows). Rows with penalties, with
+logits back (log-softmax and top-k on the host). Rows with penalties, with
 stop tokens held back by min_tokens, or constrained by a grammar (structured outputs: the bitmask is
 computed on the host anyway) copy their logits to the host, are adjusted there by the CPU sampler's own
 code, and go back before the kernel draws: those rows pay two copies, the rest of the batch nothing.

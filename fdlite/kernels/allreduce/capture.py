@@ -1,8 +1,8 @@
 """`capture_custom_allreduce()`: the context every CUDA-graph capture runs inside.
 
 The custom all-reduce (custom_all_reduce.py) reads its input through a table of registered pointers
-when a graph is being captured, and those pointers can only be registered once capture ends (seed:
-pr_sot_custom_allreduce.md). So capture must run inside this context, and SOT must translate inside
+when a graph is being captured, and those pointers can only be registered once capture ends (docs/design.md,
+section "SOT inside capture inside capture_custom_allreduce"). So capture must run inside this context, and SOT must translate inside
 it too, so that the "are we capturing" branch is translated the way replay needs it.
 
 Communicators that take part register themselves (`register_capture_participant`): each gets
