@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import paddle
@@ -26,12 +26,11 @@ import paddle
 from fdlite.graph.cuda import CudaGraph, cuda_graphs_available
 from fdlite.graph.eager_replay import EagerReplayGraph
 from fdlite.graph.capture_sizes import padded_size, worst_case_prefill_split
+from fdlite.runner.dummy_batch import dummy_batch
 from fdlite.graph.static_graph import translation_count
 from fdlite.kernels.device_tensors import to_numpy_f32
 from fdlite.layers.forward_meta import FlatBatch
-
-if TYPE_CHECKING:
-    from fdlite.runner.forward_buffers import ForwardBuffers
+from fdlite.runner.forward_buffers import ForwardBuffers
 
 logger = logging.getLogger("fdlite")
 
@@ -39,7 +38,7 @@ logger = logging.getLogger("fdlite")
 class CudaGraphRunner:
     """Captured graphs of `model_layer` for each size in `sizes` (decode: batch sizes; prefill: token counts)."""
 
-    def __init__(self, model_layer, kv_cache, buffers: "ForwardBuffers", sizes: list[int], prefill: bool,
+    def __init__(self, model_layer, kv_cache, buffers: ForwardBuffers, sizes: list[int], prefill: bool,
                  max_num_seqs: int, graph_factory: Callable[[], object]):
         self.model_layer = model_layer
         self.kv_cache = kv_cache
@@ -69,48 +68,21 @@ class CudaGraphRunner:
     def dummy_batch(self, size: int, seed: int, worst_case: bool) -> FlatBatch:
         """A batch of `size` tokens with distinct cache slots (so replays are deterministic).
 
-        worst_case: the worst-case capture split (rows of one token and one long row); otherwise a
-        random split, which is what the verify step replays.
+        worst_case: the capture split (rows of one token and one long row); otherwise a random
+        split, which is what the verify step replays. Decode rows sit after random-length contexts.
         """
         rng = np.random.default_rng(seed)
+        bs, nb = self.block_size, self.kv_cache.num_blocks
         if not self.prefill:
-            lens = [1] * size
-        elif worst_case:
+            longest = min(self.buffers.max_blocks * bs, 4 * bs)
+            return dummy_batch([int(rng.integers(0, longest)) + 1 for _ in range(size)], bs, nb, decode=True, rng=rng)
+        if worst_case:
             lens = worst_case_prefill_split(size, self.max_num_seqs)
         else:
             rows = int(rng.integers(1, min(size, self.max_num_seqs) + 1))
             cuts = np.sort(rng.choice(np.arange(1, size), size=rows - 1, replace=False)) if rows > 1 else []
             lens = np.diff([0, *cuts, size]).tolist()
-        capacity = self.kv_cache.num_blocks * self.block_size
-        ids, pos, slots, rows_of, tables = [], [], [], [], []
-        next_slot = 0
-        blocks_per_row = self.buffers.max_blocks
-        for r, n in enumerate(lens):
-            if self.prefill:
-                start = 0
-            else:  # a decode token sits after a random-length context
-                start = int(rng.integers(0, min(blocks_per_row * self.block_size, 4 * self.block_size)))
-            need = -(-(start + n) // self.block_size)
-            first = (next_slot // self.block_size) % self.kv_cache.num_blocks
-            table = [(first + j) % self.kv_cache.num_blocks for j in range(need)]
-            next_slot = ((first + need) * self.block_size) % capacity
-            p = np.arange(start, start + n)
-            ids.append(rng.integers(0, 100, size=n))
-            pos.append(p)
-            slots.append(np.asarray(table)[p // self.block_size] * self.block_size + p % self.block_size)
-            rows_of.append(np.full(n, r))
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        table_arr = np.zeros((len(tables), width), np.int32)
-        for r, t in enumerate(tables):
-            table_arr[r, : len(t)] = t
-        positions = np.concatenate(pos).astype(np.int64)
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        return FlatBatch(input_ids=np.concatenate(ids).astype(np.int64), positions=positions,
-                         slot_mapping=np.concatenate(slots).astype(np.int64),
-                         token_rows=np.concatenate(rows_of).astype(np.int64), block_tables=table_arr,
-                         seq_lens_kv=(positions[cu[1:] - 1] + 1).astype(np.int32), cu_seqlens_q=cu,
-                         logits_indices=np.zeros(0, np.int64), num_decodes=0 if self.prefill else size)
+        return dummy_batch(lens, bs, nb, rng=rng)
 
     def capture_all(self, recorder=None, verify: bool = True, tolerance: float = 1e-4) -> None:
         """Capture every size, largest first (one shared memory pool), each after an eager warm-up.

@@ -1,4 +1,5 @@
-"""Dummy flat batches for the runs at startup (profiling prefill, SOT warm-up) that go through the real input path."""
+"""Dummy flat batches for the runs at startup (profiling prefill, SOT warm-up, CUDA-graph capture and its
+self-check), all through the one flat-batch builder real steps use (`input_batch.flat_batch`)."""
 
 from __future__ import annotations
 
@@ -33,12 +34,14 @@ def small_prefill_lengths(max_num_seqs: int, max_model_len: int, block_size: int
     return lengths
 
 
-def dummy_batch(lengths: list[int], block_size: int, num_blocks: int, decode: bool = False) -> FlatBatch:
+def dummy_batch(lengths: list[int], block_size: int, num_blocks: int, decode: bool = False,
+                rng: np.random.Generator | None = None) -> FlatBatch:
     """A flat batch of dummy sequences of the given lengths, block tables laid out from block 0.
 
     decode=False: each row prefills its whole length. decode=True: each row computes only its
     last token, after a cached context of length - 1 (a decode step). Block ids wrap around
-    `num_blocks`: the contents of a dummy run's cache are never read by real requests.
+    `num_blocks`: the contents of a dummy run's cache are never read by real requests. Token ids
+    are 0, or drawn from `rng` in [0, 100) (a graph's self-check compares two forwards on them).
     """
     lengths = np.asarray(lengths, np.int64)
     width = blocks_for(int(lengths.max()), block_size)
@@ -46,6 +49,7 @@ def dummy_batch(lengths: list[int], block_size: int, num_blocks: int, decode: bo
     tables = ((starts[:, None] + np.arange(width)) % num_blocks).astype(np.int32)
     computed = lengths - 1 if decode else np.zeros_like(lengths)
     counts = np.ones_like(lengths) if decode else lengths
-    tokens = np.zeros((len(lengths), int(lengths.max())), np.int32)
+    shape = (len(lengths), int(lengths.max()))
+    tokens = np.zeros(shape, np.int32) if rng is None else rng.integers(0, 100, size=shape).astype(np.int32)
     return flat_batch(tokens, np.arange(len(lengths)), computed, counts, tables, block_size,
                       np.ones(len(lengths), bool))
