@@ -18,7 +18,7 @@ nothing about a mutation. The working tree is never touched.
     python tools/mutation_check.py                     # every mutation (about 20-30 minutes on 2 cores)
     python tools/mutation_check.py --only static-waves --only free-head-first
     python tools/mutation_check.py --list
-    python tools/mutation_check.py --report docs/mutation_check.md --json docs/mutation_check.json
+    python tools/mutation_check.py --report results/mutation_check.md --json results/mutation_check.json
 
 Not part of CI: it runs the slow tests many times. Exit status: 0 when the baseline passes and every
 mutation is caught, 1 otherwise.
@@ -58,7 +58,7 @@ class Mutation:
     bug: str  # what the planted bug does, in words
     edits: tuple[Edit, ...]
     tests: tuple[str, ...]  # pytest node ids or test files that must catch it
-    first_check: str  # what the first mutation check (issue 11) found: "caught", "not caught" or "new"
+    first_check: str  # what the first mutation check found: "caught", "not caught" or "new"
 
 
 GRAPH = "tests/test_graph_optimization.py"
@@ -72,8 +72,8 @@ MUTATIONS: tuple[Mutation, ...] = (
               "    if n_out >= p.min_tokens:\n",
               "    if n_out >= p.min_tokens and p.min_tokens == 0:\n"),
          Edit("fdlite/runner/output_processor.py",
-              "check_stop=len(seq.output_token_ids) >= seq.params.min_tokens)",
-              "check_stop=len(seq.output_token_ids) >= seq.params.min_tokens and seq.params.min_tokens == 0)")),
+              "check_stop=len(seq.output_token_ids) + 1 >= seq.params.min_tokens)",
+              "check_stop=len(seq.output_token_ids) + 1 >= seq.params.min_tokens and seq.params.min_tokens == 0)")),
         ("tests/test_generate_api.py",),
         "not caught",
     ),
@@ -123,8 +123,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "padding-writes-a-real-slot",
         "Padded rows of a CUDA-graph batch write their KV to slot 0 instead of the scratch block",
         (Edit("fdlite/runner/forward_buffers.py",
-              "self.slot_mapping.write(pad(flat.slot_mapping, self.scratch_block * self.block_size))",
-              "self.slot_mapping.write(pad(flat.slot_mapping, 0))  # MUTATION"),),
+              "        self.slot_mapping.stage(self.scratch_block * self.block_size, t, extra)\n",
+              "        self.slot_mapping.stage(0, t, extra)  # MUTATION\n"),),
         (f"{GRAPH}::test_padded_decode_graphs_give_identical_tokens",
          f"{GRAPH}::test_graph_buffers_keep_their_addresses"),
         "new",
@@ -234,15 +234,53 @@ MUTATIONS: tuple[Mutation, ...] = (
         "buffer-write-makes-new-tensors",
         "Each step writes the graph inputs into new tensors instead of the captured buffers",
         (Edit("fdlite/runner/forward_buffers.py",
-              "        if self.host is not None:\n            self.host[start : start + len(values)] = values\n",
-              "        if self.host is not None:\n"
-              "            self.tensor = self.tensor.clone()  # MUTATION: a new tensor per write\n"
+              "        self.host[start : start + n] = values\n",
+              "        if not self.on_gpu:  # MUTATION: a new tensor per write\n"
+              "            self.tensor = self.tensor.clone()\n"
               "            self.host = np.from_dlpack(self.tensor)\n"
-              "            self.host[start : start + len(values)] = values\n"),),
+              "        self.host[start : start + n] = values\n"),),
         (f"{GRAPH}::test_graph_buffers_keep_their_addresses",
          f"{GRAPH}::test_decode_graphs_give_identical_tokens",
          f"{GRAPH}::test_padded_decode_graphs_give_identical_tokens"),
         "caught",
+    ),
+    # ---- the step as one call per phase -------------------------------------------------------------
+    Mutation(
+        "no-placeholder-at-schedule",
+        "schedule() gives a row that samples no placeholder token: the next step (async) does not compute it",
+        (Edit("fdlite/runner/scheduler.py",
+              "            if c == seq.num_tokens:\n                seq.num_output_placeholders += 1\n",
+              "            if c == seq.num_tokens and False:  # MUTATION\n                seq.num_output_placeholders += 1\n"),),
+        ("tests/test_scheduler.py", "tests/test_async_scheduling.py"),
+        "new",
+    ),
+    Mutation(
+        "async-keeps-finished-rows",
+        "Async scheduling runs the rows that finished in the step before (their blocks already freed) one step more",
+        (Edit("fdlite/runner/scheduler.py",
+              "        if finished and self._latest is not None and self._latest is not scheduled:\n",
+              "        if False:  # MUTATION\n"),),
+        ("tests/test_async_scheduling.py",),
+        "new",
+    ),
+    Mutation(
+        "package-cycle",
+        "A layer imports the runner: a cycle between packages",
+        (Edit("fdlite/layers/norm.py",
+              "from fdlite.kernels.custom_op import CustomOp\n",
+              "from fdlite.kernels.custom_op import CustomOp\nimport fdlite.runner.sequence  # MUTATION\n"),),
+        ("tests/test_package_structure.py::test_no_import_cycles_between_packages",),
+        "new",
+    ),
+    Mutation(
+        "worker-prepares-twice",
+        "The engine prepares each step twice (a second call per phase)",
+        (Edit("fdlite/runner/engine.py",
+              "        prepared = self.worker.prepare(scheduled)\n        sampled = self.worker.execute(prepared)\n",
+              "        prepared = self.worker.prepare(scheduled)\n        self.worker.prepare(scheduled)  # MUTATION\n"
+              "        sampled = self.worker.execute(prepared)\n"),),
+        ("tests/test_package_structure.py::test_one_call_per_phase_each_step",),
+        "new",
     ),
 )
 
@@ -409,7 +447,7 @@ def markdown(results: list[Result], base: Result | None, by_id: dict[str, Mutati
         lines += [f"  - failed without any mutation: `{short(t)}`" for t in base.failed]
     caught = sum(r.ok for r in results)
     lines += ["", f"**{caught} of {len(results)} mutations caught.**", "",
-              "| mutation | planted bug | first check (issue 11) | result | tests that failed / selected | time |",
+              "| mutation | planted bug | first check (the first mutation run) | result | tests that failed / selected | time |",
               "|---|---|---|---|---|---|"]
     for r in results:
         m = by_id[r.id]
