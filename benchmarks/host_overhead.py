@@ -52,17 +52,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # phase -> candidate functions, "Class.method" or "function", found in the loaded fdlite modules; the first
 # that exists is timed, names that do not exist are skipped. The first candidate is the name in the code
-# since the engine-step redesign, the next the one before it (c1f31ec). After the redesign "schedule" is
-# the scheduler plus applying its diff to the persistent batch, and "output" is the token stop checks and
-# the output processor's record (`Engine._take_tokens`). Before the redesign output processing (detokenization,
-# stop checks) is inlined in Engine.step, so its exclusive time (the step minus the phases timed inside it)
-# is the output-processing row there.
+# since the step became prepare / execute / commit (the worker), the next ones the names before it
+# (cb8af1a, then c1f31ec). Now "schedule" is the scheduler alone, "inputs" the worker's prepare (the
+# scheduler's diff applied to the persistent batch, then the inputs built), "output" the worker's commit,
+# the output processor and the scheduler's update. At cb8af1a "schedule" also applied the diff and
+# "output" was `Engine._take_tokens`. Before the redesign output processing (detokenization, stop checks)
+# is inlined in Engine.step, so its exclusive time (the step minus the phases timed inside it) is the
+# output-processing row there.
 PHASES: dict[str, list[str]] = {
     "schedule": ["Engine._schedule", "Scheduler.schedule"],
-    "inputs": ["InputBatch.prepare_inputs", "build_inputs"],
+    "inputs": ["Worker.prepare", "InputBatch.prepare_inputs", "build_inputs"],
     "forward": ["ModelRunner.forward"],
     "sample": ["Sampler.__call__"],
-    "output": ["Engine._take_tokens", "Engine.step"],
+    "output": ["Engine._postprocess", "Engine._take_tokens", "Engine.step"],
 }
 
 SAMPLED = dict(temperature=0.8, top_p=0.9)
