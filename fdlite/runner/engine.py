@@ -56,13 +56,15 @@ def _is_decode(seq: Sequence, n: int) -> bool:
 
 
 class Engine:
+    """The step loop over one scheduler (and its block allocator), one worker and one output processor,
+    which it owns; it counts the steps and tokens it ran."""
+
     def __init__(self, config: EngineConfig, runner: ModelRunner, num_blocks: int, eos_token_ids: set[int], tokenizer=None):
         self.config = config
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.allocator)
-        self.scheduler.eos_token_ids = eos_token_ids
+        self.scheduler = Scheduler(config, self.allocator, eos_token_ids)
         self.debug_poison = os.environ.get("FDLITE_DEBUG_POISON_FREED_BLOCKS", "0") not in ("", "0")
         self.worker = Worker(runner, config.max_num_seqs, config.max_model_len, config.block_size, eos_token_ids,
                              check_writable=self.allocator.check_writable if self.debug_poison else None)

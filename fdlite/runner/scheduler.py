@@ -58,7 +58,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator):
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, eos_token_ids: set[int] | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -73,7 +73,7 @@ class Scheduler:
         # Sequences whose prefill spans steps and is unfinished -> whether it counts as long.
         self.partial_prefills: dict[Sequence, bool] = {}
         self.num_preemptions = 0
-        self.eos_token_ids: set[int] = set()  # the engine's (model + tokenizer EOS)
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else set()  # model + tokenizer EOS
         self._left: list[Sequence] = []  # finished since the last schedule: the next batch tells the worker
         self._latest: ScheduledBatch | None = None  # the last batch handed out
 
