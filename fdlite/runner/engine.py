@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fdlite import envs
 from fdlite.config import EngineConfig
 from fdlite.kvcache.block_allocator import BlockAllocator
 from fdlite.sample.sampler import SamplerOutput
@@ -71,7 +72,7 @@ class Engine:
         self.num_decode_tokens = 0
         # Called after each step is scheduled with its rows, in batch order (for tests and tools).
         self.schedule_listeners: list[Callable[[list[ScheduledRow]], None]] = []
-        self.debug_poison = os.environ.get("FDLITE_DEBUG_POISON_FREED_BLOCKS", "0") not in ("", "0")
+        self.debug_poison = envs.FDLITE_DEBUG_POISON_FREED_BLOCKS
         if self.debug_poison:
             self.allocator.on_release = runner.kv_cache.poison_blocks
             runner.kv_cache.poison_blocks(list(range(num_blocks)))
