@@ -18,6 +18,8 @@ import tempfile
 
 import numpy as np
 
+from fdlite import envs
+
 DEFAULT_MODEL_NAME = "fdlite-default-qwen3-tiny"
 
 # Bump the folder name whenever the contents change, so old caches are not reused.
@@ -65,7 +67,7 @@ GENERATION_CONFIG = {
 
 
 def _cache_root() -> str:
-    return os.environ.get("FDLITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fdlite")
+    return envs.FDLITE_CACHE
 
 
 def _random_weights(seed: int = 0) -> dict[str, np.ndarray]:

@@ -23,7 +23,7 @@ class IncrementalDetokenizer:
 
     `text` is the output so far; once a stop string matched it ends before the stop string (or right after it
     with `include_stop_str_in_output=True`) and later appends are ignored. Without a stop match, after the last
-    append `text == tokenizer.decode(output_token_ids, skip_special_tokens)` for well-formed UTF-8 output; a
+    append `text == tokenizer.decode(appended_ids, skip_special_tokens)` for well-formed UTF-8 output; a
     character still incomplete at the end (e.g. the output was cut at max_tokens inside an emoji) is held back.
     """
 
@@ -39,7 +39,6 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.output_token_ids: list[int] = []
         self.text = ""
         self.stop_reason: str | None = None  # the stop string that ended the text, once one matched
         # How far back from the new text a stop string may start: it may have begun in earlier tokens.
@@ -65,7 +64,6 @@ class IncrementalDetokenizer:
         """
         if self.stop_reason is not None:
             return None  # the sequence already ended; text after the stop string is dropped
-        self.output_token_ids.append(token_id)
         self._ids.append(token_id)
         new_text = self._decode_new_text()
         if not new_text:

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from env_patch import EnvMonkeyPatch
 from safetensors.numpy import load_file
 
 from fdlite import default_model
@@ -18,7 +19,7 @@ ASSETS = os.path.join(os.path.dirname(default_model.__file__), "assets", "qwen3_
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
+    with EnvMonkeyPatch.context() as mp:
         mp.setenv("FDLITE_CACHE", str(tmp_path_factory.mktemp("fdlite_cache")))
         return default_model_path()
 

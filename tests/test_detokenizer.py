@@ -1,6 +1,7 @@
 """fdlite.detokenizer.IncrementalDetokenizer: streaming text equals the full decode; stop strings."""
 
 import pytest
+from env_patch import EnvMonkeyPatch
 
 from fdlite.default_model import default_model_path
 from fdlite.detokenizer import IncrementalDetokenizer, detokenize
@@ -18,7 +19,7 @@ OUTPUTS = [
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
+    with EnvMonkeyPatch.context() as mp:
         mp.setenv("FDLITE_CACHE", str(tmp_path_factory.mktemp("fdlite_cache")))
         return Tokenizer.from_pretrained(default_model_path())
 
@@ -28,8 +29,21 @@ def chat_prompt(tok):
     return tok.apply_chat_template([{"role": "user", "content": "Say something."}], tokenize=True)
 
 
+class RecordingDetokenizer(IncrementalDetokenizer):
+    """Also keeps the ids it took in, `output_token_ids` (appends after a stop string are dropped)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.output_token_ids: list[int] = []
+
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
+        if self.stop_reason is None:
+            self.output_token_ids.append(token_id)
+        return super().append(token_id, check_stop)
+
+
 def _stream(tok, prompt_ids, output_ids, **kwargs):
-    detok = IncrementalDetokenizer(tok, prompt_ids, **kwargs)
+    detok = RecordingDetokenizer(tok, prompt_ids, **kwargs)
     snapshots = []
     for token_id in output_ids:
         detok.append(token_id)
@@ -91,7 +105,7 @@ def test_stop_string_across_token_boundary(tok, chat_prompt, include):
     text = "The weather today is wonderful, let us go outside and play football."
     ids, k, stop = _spanning_stop(tok, text)
     assert all(stop not in tok.decode([i]) for i in ids)
-    detok = IncrementalDetokenizer(tok, chat_prompt, stop=[stop], include_stop_str_in_output=include)
+    detok = RecordingDetokenizer(tok, chat_prompt, stop=[stop], include_stop_str_in_output=include)
     results = [detok.append(i) for i in ids]
     # Nothing matches until the token that completes the stop string; later tokens are ignored.
     assert results[: k + 1] == [None] * (k + 1)

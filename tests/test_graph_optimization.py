@@ -15,6 +15,7 @@ import fdlite.runner.model_runner as model_runner
 from fdlite import LLM, SamplingParams
 from fdlite.kvcache.device_memory import DeviceMemory
 from fdlite.graph.static_graph import translation_count
+from env_patch import EnvMonkeyPatch
 from hf_models import load_reference, reference_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -114,7 +115,7 @@ def test_cudagraph_on_cpu_warns_and_runs_eagerly(qwen3, eager_tokens, caplog, mo
 
 @pytest.fixture(scope="module")
 def graph_llm(qwen3):
-    mp = pytest.MonkeyPatch()
+    mp = EnvMonkeyPatch()
     mp.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
     try:
         yield LLM(qwen3, graph_optimization_config={"graph_opt_level": 1, "use_cudagraph": True}, **COMMON)

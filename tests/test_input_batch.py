@@ -3,10 +3,10 @@
 import numpy as np
 
 from fdlite.kvcache.block_allocator import BlockAllocator, blocks_for
-from fdlite.sample.sampler import rows_to_batch, SamplingRow
 from fdlite.runner.input_batch import InputBatch
 from fdlite.runner.sequence import Sequence
 from fdlite.sampling_params import SamplingParams
+from sampling_helpers import SamplingRow, rows_to_batch
 
 BS, LEN, VOCAB, SLOTS = 4, 64, 50, 6
 EOS = {2}

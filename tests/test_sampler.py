@@ -5,14 +5,9 @@ import paddle
 import pytest
 
 from fdlite.sample.random import sequence_seed
-from fdlite.sample.sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingRow,
-    apply_penalties,
-    rows_to_batch,
-)
+from fdlite.sample.sampler import SamplerOutput, apply_penalties
 from fdlite.sampling_params import SamplingParams
+from sampling_helpers import RowSampler, SamplingRow, rows_to_batch
 
 V = 64
 EOS = {3}
@@ -21,7 +16,7 @@ FALLBACK_SEED = 1234
 
 @pytest.fixture
 def sampler():
-    return Sampler()
+    return RowSampler()  # a Sampler that also takes SamplingRow lists (tests/sampling_helpers.py)
 
 
 def row(prompt=(5, 6, 7), output=(), seed=None, child=0, fallback=None, **params):

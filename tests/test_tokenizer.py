@@ -5,6 +5,7 @@ import os
 
 import jinja2
 import pytest
+from env_patch import EnvMonkeyPatch
 
 from fdlite.default_model import default_model_path
 from fdlite.tokenizer import Tokenizer
@@ -42,7 +43,7 @@ CONVERSATIONS = {
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
+    with EnvMonkeyPatch.context() as mp:
         mp.setenv("FDLITE_CACHE", str(tmp_path_factory.mktemp("fdlite_cache")))
         return default_model_path()
 

@@ -172,13 +172,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "top-p-drops-crossing-token",
         "top-p keeps only tokens whose cumulative mass stays below p, dropping the one that crosses it",
         # Both places that apply top-p: the draw (a token is rejected when the mass strictly above it
-        # reaches p) and the reference distribution `probs` (mass strictly before each sorted token).
+        # reaches p) and the reference distribution `probs` (mass strictly before each sorted token; a test
+        # helper, tests/sampling_helpers.py).
         (Edit("fdlite/sample/sampler.py",
               "        rejected = mass_above >= threshold[active[nucleus]]\n",
               "        rejected = mass_above + sp[np.arange(len(nucleus)), picked[nucleus]] >= threshold[active[nucleus]]\n"),
-         Edit("fdlite/sample/sampler.py",
-              "            keep_sorted = before < sub.top_p[:, None]",
-              "            keep_sorted = before + sorted_w < sub.top_p[:, None]")),
+         Edit("tests/sampling_helpers.py",
+              "        keep_sorted = before < sub.top_p[:, None]",
+              "        keep_sorted = before + sorted_w < sub.top_p[:, None]")),
         ("tests/test_sampler.py",),
         "caught",
     ),

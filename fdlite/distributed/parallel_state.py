@@ -29,6 +29,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from fdlite import envs
+
 logger = logging.getLogger("fdlite")
 
 
@@ -53,11 +55,11 @@ class ParallelState:
 
 def launched_world_size() -> int:
     """Processes started by `paddle.distributed.launch` (1 when not launched)."""
-    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
+    return envs.PADDLE_TRAINERS_NUM
 
 
 def launched_rank() -> int:
-    return int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
+    return envs.PADDLE_TRAINER_ID
 
 
 def launch_hint(n: int) -> str:

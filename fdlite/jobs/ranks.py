@@ -10,15 +10,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from fdlite import envs
+
 
 def current_rank() -> int:
     """This process's rank, from the launcher's `PADDLE_TRAINER_ID` (0 when not launched)."""
-    return int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
+    return envs.PADDLE_TRAINER_ID
 
 
 def world_size() -> int:
     """Number of launched processes, from `PADDLE_TRAINERS_NUM` (1 when not launched)."""
-    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
+    return envs.PADDLE_TRAINERS_NUM
 
 
 def has_process_group() -> bool:

@@ -16,11 +16,15 @@ Why a hand build (nvcc per source, then g++ -shared) with an on-disk cache, rath
 - The result is cached under a key of (sources, flags, Paddle version, nvcc version): the first
   use on a machine compiles (about a minute), every later process loads the cached library in
   milliseconds. The first use can also be done ahead: `python -m fdlite.kernels.build`
-  (or tools/gpu/build_ops.sh).
+  (or tools/gpu/build_ops.sh). The cache, the key, the atomic rename and the lock against concurrent
+  builds are `fdlite/kernels/native.py`'s, shared with the CPU attention op.
 
-Environment: FDLITE_OPS_CACHE (cache root, default ~/.cache/fdlite/ops), NVCC / CUDA_HOME (the
-compiler), FDLITE_CUDA_ARCHS ("90;100"), FDLITE_CUBLAS_INCLUDE / FDLITE_CUBLAS_LIB (where cuBLASLt
-is, when it is not beside nvcc or in the nvidia-* wheels).
+Environment (fdlite/envs.py): FDLITE_OPS_CACHE (cache root, default ~/.cache/fdlite/ops), NVCC / CUDA_HOME
+(the compiler), FDLITE_CUDA_ARCHS ("90;100"), FDLITE_CUBLAS_INCLUDE / FDLITE_CUBLAS_LIB (where cuBLASLt
+is, when it is not beside nvcc or in the nvidia-* wheels), FDLITE_GPU_OPS_LIB (a prebuilt library: no build).
+
+Run as a script (`python fdlite/kernels/build.py`, as tools/gpu/compile_check.sh does) it imports neither
+the fdlite package nor Paddle (with --compile-only): envs.py and native.py are loaded by path.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import glob
-import hashlib
 import os
 import shutil
 import subprocess
@@ -38,16 +41,29 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ["ops_basic.cu", "ops_norm.cu", "ops_linear.cu", "ops_rope_cache.cu", "ops_attention.cu",
-           "ops_sampling.cu", "ops_capi.cu"]
-HEADERS = ["ops_common.cuh"]
-LIB_NAME = "libfdlite_gpu_ops.so"
-LIB_ENV = "FDLITE_GPU_OPS_LIB"  # a prebuilt library: skip the build
+if __package__:
+    from fdlite import envs
+    from fdlite.kernels import native
+else:  # run as a script or loaded by path: no import of the fdlite package (hence of Paddle)
+    import importlib.util
 
+    # As a script, sys.path[0] is this folder, whose platform.py would shadow the standard library's
+    # `platform` (which Paddle imports): drop it.
+    _here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _here]
+    native = sys.modules.get("fdlite_native")
+    if native is None:
+        _spec = importlib.util.spec_from_file_location("fdlite_native", Path(__file__).resolve().parent / "native.py")
+        native = sys.modules["fdlite_native"] = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(native)
+    envs = native.envs
 
-class BuildError(RuntimeError):
-    pass
+CSRC = native.CSRC
+SOURCES = native.GPU_OPS_SOURCES
+HEADERS = native.GPU_OPS_HEADERS
+LIB_NAME = native.GPU_OPS_LIB
+LIB_ENV = native.GPU_OPS_LIB_ENV  # a prebuilt library: skip the build
+BuildError = native.BuildError
 
 
 @dataclass
@@ -76,9 +92,9 @@ def _site_dirs() -> list[str]:
 
 
 def find_nvcc() -> str:
-    cands = [os.environ.get("NVCC")]
-    if os.environ.get("CUDA_HOME"):
-        cands.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    cands = [envs.NVCC]
+    if envs.CUDA_HOME:
+        cands.append(os.path.join(envs.CUDA_HOME, "bin", "nvcc"))
     cands.append(shutil.which("nvcc"))
     for d in _site_dirs():
         cands += sorted(glob.glob(os.path.join(d, "nvidia", "cu*", "bin", "nvcc")), reverse=True)
@@ -134,10 +150,10 @@ def find_toolchain(paddle_include: str | None = None, link: bool = True) -> Tool
     cuda_include = _first_dir(cuda_incs + _nvidia_dirs("include"), "cuda_runtime.h")
     if cuda_include is None:
         raise BuildError(f"cuda_runtime.h not found beside {nvcc}")
-    cublas_include = _first_dir([os.environ.get("FDLITE_CUBLAS_INCLUDE", "")] + cuda_incs + _nvidia_dirs("include"),
+    cublas_include = _first_dir([envs.FDLITE_CUBLAS_INCLUDE] + cuda_incs + _nvidia_dirs("include"),
                                 "cublasLt.h")
     lib_dirs = [os.path.join(root, "lib64"), os.path.join(root, "lib"), os.path.join(root, "targets", "x86_64-linux", "lib")]
-    cublas_lib = _lib_dir([os.environ.get("FDLITE_CUBLAS_LIB", "")] + lib_dirs + _nvidia_dirs("lib"), "libcublasLt.so*")
+    cublas_lib = _lib_dir([envs.FDLITE_CUBLAS_LIB] + lib_dirs + _nvidia_dirs("lib"), "libcublasLt.so*")
     cudart_lib = _lib_dir(lib_dirs + _nvidia_dirs("lib"), "libcudart.so*")
     if paddle_include is None:
         import paddle  # noqa: PLC0415 - only needed for a real build
@@ -148,7 +164,7 @@ def find_toolchain(paddle_include: str | None = None, link: bool = True) -> Tool
         version = paddle.__version__
     else:
         paddle_lib, version = None, "headers:" + os.path.realpath(paddle_include)
-    archs = [a.strip() for a in os.environ.get("FDLITE_CUDA_ARCHS", "90").split(";") if a.strip()]
+    archs = list(envs.FDLITE_CUDA_ARCHS)
     tc = Toolchain(nvcc, cuda_include, cudart_lib, cublas_include, cublas_lib, paddle_include, paddle_lib, version, archs)
     if link:
         missing = [n for n, v in (("libcudart", tc.cudart_lib), ("libcublasLt", tc.cublas_lib),
@@ -189,7 +205,7 @@ def _so_name(libdir: str, stem: str) -> str:
 def link_command(tc: Toolchain, objects: list[str], out: str) -> list[str]:
     base = tc.paddle_lib
     libs_dir = os.path.join(os.path.dirname(base), "libs")
-    cmd = [os.environ.get("CXX", "g++"), "-shared", "-o", out, *objects,
+    cmd = [envs.CXX or "g++", "-shared", "-o", out, *objects,
            f"-L{base}", "-l:libpaddle.so", f"-Wl,-rpath,{base}", f"-Wl,-rpath,{libs_dir}",
            f"-L{tc.cudart_lib}", "-l:" + _so_name(tc.cudart_lib, "libcudart"), f"-Wl,-rpath,{tc.cudart_lib}",
            f"-L{tc.cublas_lib}", "-l:" + _so_name(tc.cublas_lib, "libcublasLt"),
@@ -202,32 +218,32 @@ def link_command(tc: Toolchain, objects: list[str], out: str) -> list[str]:
 
 
 def _nvcc_version(nvcc: str) -> str:
-    try:
-        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout.strip().splitlines()[-1]
-    except OSError:
-        return "?"
+    return native.tool_version(nvcc, line=-1)
 
 
 def cache_key(tc: Toolchain) -> str:
-    h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        h.update(name.encode())
-        h.update((CSRC / name).read_bytes())
-    h.update(repr((nvcc_flags(tc), tc.paddle_version, _nvcc_version(tc.nvcc), tc.cublas_lib, tc.cudart_lib)).encode())
-    return h.hexdigest()[:20]
+    return native.cache_key([CSRC / name for name in SOURCES + HEADERS], nvcc_flags(tc), tc.paddle_version,
+                            _nvcc_version(tc.nvcc), tc.cublas_lib, tc.cudart_lib)
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("FDLITE_OPS_CACHE") or Path.home() / ".cache" / "fdlite" / "ops")
+    return native.cache_root(native.GPU_OPS_CACHE_ENV)
+
+
+def is_cached() -> bool:
+    """Whether `build()` would load a library without compiling (a prebuilt one, or this toolchain's cached
+    build); False also when the toolchain cannot be found."""
+    if native.named_library(LIB_ENV)[0] is not None:
+        return True
+    try:
+        tc = find_toolchain()
+    except (BuildError, ImportError):
+        return False
+    return native.find_cached(cache_root(), cache_key(tc), LIB_NAME) is not None
 
 
 def _run(cmd: list[str], verbose: bool) -> str:
-    if verbose:
-        print("+", " ".join(cmd), flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise BuildError(f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
-    return r.stdout + r.stderr
+    return native.run(cmd, verbose)
 
 
 def compile_objects(tc: Toolchain, workdir: str, jobs: int | None = None, verbose: bool = False,
@@ -247,25 +263,21 @@ def compile_objects(tc: Toolchain, workdir: str, jobs: int | None = None, verbos
 
 def build(force: bool = False, jobs: int | None = None, verbose: bool = False, out_dir: str | None = None) -> str:
     """Path of the built library (cached; compiled on first use)."""
-    env = os.environ.get(LIB_ENV)
-    if env and not force and out_dir is None:
-        if not os.path.isfile(env):
-            raise BuildError(f"${LIB_ENV}={env} does not exist")
-        return env
+    if not force and out_dir is None:
+        path, why = native.named_library(LIB_ENV)
+        if path is not None:
+            return path
+        if why:
+            raise BuildError(why)
     tc = find_toolchain()
-    key = cache_key(tc)
-    dest_dir = Path(out_dir) if out_dir else cache_root() / key
-    dest = dest_dir / LIB_NAME
-    if dest.is_file() and not force and out_dir is None:
-        return str(dest)
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="fdlite_ops_") as work:
+
+    def compile_(work: str, out: str) -> dict[str, str]:
         objects, report = compile_objects(tc, work, jobs, verbose)
-        tmp = os.path.join(work, LIB_NAME)
-        _run(link_command(tc, objects, tmp), verbose)
-        (dest_dir / "ptxas_report.txt").write_text(report)
-        os.replace(tmp, dest)  # atomic: a concurrent loader sees the old library or the whole new one
-    return str(dest)
+        _run(link_command(tc, objects, out), verbose)
+        return {"ptxas_report.txt": report}
+
+    return native.build_library("the GPU ops", LIB_NAME, cache_key(tc), cache_root(), compile_, force=force,
+                                dest_dir=out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,11 +5,12 @@ row's whole context out of the cache and dispatches ~10 ops per layer; the op re
 
 Built on first use with the host C++ compiler straight into one shared library (no setuptools, no
 generated module, as `fdlite/kernels/build.py` does for the CUDA ops), cached on disk under a key of
-(source, flags, Paddle version, compiler version): later processes load it in milliseconds. `-mavx2
--mfma` are added only when this CPU has them (never -march=native: the cache may be shared between
-machines, and the flags are part of the key).
+(source, flags, Paddle version, compiler version) by `fdlite/kernels/native.py`: later processes load it in
+milliseconds (`is_cached()` tells whether this one will have to compile). `-mavx2 -mfma` are added only when
+this CPU has them (never -march=native: the cache may be shared between machines, and the flags are part of
+the key).
 
-Environment:
+Environment (fdlite/envs.py):
 - FDLITE_CPU_ATTENTION: `auto` (default: the C++ op, or the reference when it cannot be built),
   `reference` (always the Paddle-op reference), `cpp` (the C++ op, and an error when it cannot be built).
 - FDLITE_CPU_OPS_CACHE: cache folder (default ~/.cache/fdlite/ops_cpu; a temp folder if that is read-only).
@@ -20,47 +21,41 @@ Environment:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
+from fdlite import envs
+from fdlite.kernels import native
+
 logger = logging.getLogger("fdlite")
 
-SOURCE = Path(__file__).resolve().parent / "csrc_cpu" / "paged_attention_cpu.cc"
-LIB_NAME = "libfdlite_cpu_ops.so"
+SOURCE = native.CPU_ATTENTION_SOURCE
+LIB_NAME = native.CPU_ATTENTION_LIB
 MODE_ENV = "FDLITE_CPU_ATTENTION"
 OP = "fdl_cpu_paged_attention"
 
 _lock = threading.Lock()
 _state: dict = {}
 
-
-class BuildError(RuntimeError):
-    pass
+BuildError = native.BuildError
 
 
 def mode() -> str:
-    m = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
-    if m not in ("auto", "reference", "cpp"):
-        raise ValueError(f"{MODE_ENV}={m!r}: expected auto, reference or cpp")
-    return m
+    """auto, reference or cpp (ValueError for anything else)."""
+    return envs.get(MODE_ENV)
 
 
 def cache_root() -> Path:
     """Not under $FDLITE_CACHE (the test suite points that at a fresh folder per session; the library
     depends on the source and the toolchain only, so one build serves every session)."""
-    if os.environ.get("FDLITE_CPU_OPS_CACHE"):
-        return Path(os.environ["FDLITE_CPU_OPS_CACHE"])
-    return Path(os.path.expanduser("~")) / ".cache" / "fdlite" / "ops_cpu"
+    return native.cache_root(native.CPU_OPS_CACHE_ENV)
 
 
 def _compiler() -> str:
-    for c in (os.environ.get("CXX"), "g++", "c++"):
+    for c in (envs.CXX, "g++", "c++"):
         if c and shutil.which(c):
             return shutil.which(c)
     raise BuildError("no C++ compiler (set CXX, or install g++)")
@@ -94,14 +89,11 @@ def _paddle_paths() -> tuple[str, str, str]:
 
 
 def _compiler_version(cxx: str) -> str:
-    try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.split("\n")[0]
-    except OSError:
-        return "?"
+    return native.tool_version(cxx)
 
 
-def build(force: bool = False) -> str:
-    """Path of the compiled library (cached; compiled on first use, ~6 s)."""
+def _command() -> tuple[list[str], str]:
+    """The compile command (without its output) and the cache key."""
     cxx = _compiler()
     include, base, version = _paddle_paths()
     libs = os.path.join(os.path.dirname(base), "libs")
@@ -114,26 +106,32 @@ def build(force: bool = False) -> str:
         # would fight them for the cores. Named before the -lgomp that -fopenmp appends, libiomp5
         # provides the GOMP_* entry points, so the op's parallel loops run on MKL's threads.
         cmd += [f"-L{libs}", "-l:libiomp5.so"]
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((cmd, version, _compiler_version(cxx))).encode()).hexdigest()[:20]
-    dest_dir = cache_root() / key
-    dest = dest_dir / LIB_NAME
-    if dest.is_file() and not force:
-        return str(dest)
+    return cmd, native.cache_key([SOURCE], cmd, version, _compiler_version(cxx))
+
+
+def is_cached() -> bool:
+    """Whether the compiled op is in the cache already (or loaded), so `load()` will not compile it. Cheap: no
+    compiler run but `--version`. False also when it cannot be built here, or when
+    FDLITE_CPU_ATTENTION=reference asks for no op at all."""
+    if _state.get("ok"):
+        return True
     try:
-        dest_dir.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a read-only home: build for this machine's temp folder instead
-        dest_dir = Path(tempfile.gettempdir()) / f"fdlite-ops_cpu-{os.getuid()}" / key
-        dest = dest_dir / LIB_NAME
-        if dest.is_file() and not force:
-            return str(dest)
-        dest_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="fdlite_cpu_ops_", dir=dest_dir) as work:
-        tmp = os.path.join(work, LIB_NAME)
-        r = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise BuildError(f"compile failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-4000:]}")
-        os.replace(tmp, dest)  # atomic: a concurrent loader sees no library or the whole one
-    return str(dest)
+        if mode() == "reference":
+            return False
+        _, key = _command()
+    except Exception:  # noqa: BLE001 - no compiler, no Paddle, a bad mode: nothing cached to load
+        return False
+    return native.find_cached(cache_root(), key, LIB_NAME) is not None
+
+
+def build(force: bool = False) -> str:
+    """Path of the compiled library (cached; compiled on first use, ~6 s)."""
+    cmd, key = _command()
+
+    def compile_(work: str, out: str) -> None:
+        native.run([*cmd, "-o", out], tail=4000)
+
+    return native.build_library("the CPU attention op", LIB_NAME, key, cache_root(), compile_, force=force)
 
 
 def load() -> bool:
@@ -146,12 +144,8 @@ def load() -> bool:
             _state.update(ok=False, reason=f"{MODE_ENV}=reference")
         else:
             try:
-                import paddle  # noqa: PLC0415
-                from paddle.utils.cpp_extension import load_op_meta_info_and_register_op  # noqa: PLC0415
-
                 path = build()
-                load_op_meta_info_and_register_op(path)
-                _state.update(ok=True, path=path, run=paddle._C_ops._run_custom_op)
+                _state.update(ok=True, path=path, run=native.load_paddle_ops(path))
             except Exception as e:  # noqa: BLE001 - any failure means the reference path
                 if m == "cpp":
                     raise

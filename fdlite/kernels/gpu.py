@@ -14,7 +14,8 @@ fine; column slices are not (split columns inside the kernels instead, as `rope_
 does for the fused qkv).
 
 `load()` registers the ops once per process: from $FDLITE_GPU_OPS_LIB, else from the on-disk build
-cache (fdlite.kernels.build, compiled on first use). The models reach them through the CPU/GPU dispatch of `fdlite/layers/` (`CustomOp`, `fdlite/kernels/custom_op.py`).
+cache (fdlite.kernels.build, compiled on first use), and passes the library its run-time switches from
+fdlite/envs.py (FDLITE_PDL, FDLITE_GEMV: the C++ side reads no environment). The models reach them through the CPU/GPU dispatch of `fdlite/layers/` (`CustomOp`, `fdlite/kernels/custom_op.py`).
 
 Cost: the checks are Python attribute reads on Paddle tensors (measured on the H100 machine's host
 with Paddle 2.6.2: an eager `rms_norm` call costs 56-113 us of wall time, against 1.8 us per op in a
@@ -26,10 +27,12 @@ FDLITE_GPU_OPS_CHECKS=0.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import numpy as np
+
+from fdlite import envs
+from fdlite.kernels import native
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -37,7 +40,7 @@ _state: dict = {}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-_checks = os.environ.get("FDLITE_GPU_OPS_CHECKS", "1") != "0"
+_checks = envs.FDLITE_GPU_OPS_CHECKS
 _dtype_names: dict = {}
 
 
@@ -52,39 +55,41 @@ def set_checks(enabled: bool) -> None:
 
 
 # ------------------------------------------------------------------ loading
+_vp, _int, _size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+# The plain C entry points of ops_capi.cu: name -> (restype, argtypes).
+CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
+    "fdl_ops_abi_version": (_int, []),
+    "fdl_set_options": (_int, [_int, _int]),
+    "fdl_event_create": (_vp, []),
+    "fdl_event_record": (_int, [_vp, _vp]),
+    "fdl_event_elapsed_ms": (ctypes.c_float, [_vp, _vp]),
+    "fdl_event_destroy": (_int, [_vp]),
+    "fdl_memcpy_d2h": (_int, [_vp, _vp, _size]),
+    "fdl_memcpy_h2d_async": (_int, [_vp, _vp, _size, _vp]),
+    "fdl_memcpy_h2d_many": (_int, [_int, _vp, _vp]),
+}
+ABI_VERSION = 4  # fdl_ops_abi_version() of the sources this module speaks to
+
+
 def load(path: str | None = None) -> str:
     """Register the ops library (building it if needed); returns its path. Idempotent."""
     with _lock:
         if "path" in _state:
             return _state["path"]
-        import paddle  # noqa: PLC0415
-
         if path is None:
             from fdlite.kernels import build  # noqa: PLC0415
 
             path = build.build()
         try:
-            from paddle.utils.cpp_extension import load_op_meta_info_and_register_op as register
-        except ImportError:  # older layouts
-            from paddle.base import core  # noqa: PLC0415
-
-            register = core.load_op_meta_info_and_register_op
-        register(path)
-        run = getattr(getattr(paddle, "_C_ops", None), "_run_custom_op", None)
-        if run is None:
-            from paddle.base import core  # noqa: PLC0415
-
-            run = core.eager._run_custom_op
-        capi = ctypes.CDLL(path)
-        capi.fdl_ops_abi_version.restype = ctypes.c_int
-        capi.fdl_event_create.restype = ctypes.c_void_p
-        capi.fdl_event_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        capi.fdl_event_elapsed_ms.restype = ctypes.c_float
-        capi.fdl_event_elapsed_ms.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        capi.fdl_event_destroy.argtypes = [ctypes.c_void_p]
-        capi.fdl_memcpy_d2h.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        capi.fdl_memcpy_h2d_async.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        capi.fdl_memcpy_h2d_many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+            capi = native.load_ctypes(path, CAPI_SIGNATURES)
+        except AttributeError as e:
+            raise GpuOpsError(f"{path} is older than fdlite/kernels/gpu.py ({e}): rebuild it") from None
+        if capi.fdl_ops_abi_version() != ABI_VERSION:
+            raise GpuOpsError(f"{path}: ABI version {capi.fdl_ops_abi_version()}, this module speaks {ABI_VERSION}: "
+                              "rebuild it")
+        run = native.load_paddle_ops(path)
+        if capi.fdl_set_options(envs.FDLITE_PDL, int(envs.FDLITE_GEMV)):  # before any op runs
+            raise GpuOpsError(f"fdl_set_options refused FDLITE_PDL={envs.FDLITE_PDL}")
         _state.update(path=path, run=run, capi=capi)
         return path
 

@@ -16,13 +16,13 @@ the KV cache.
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from typing import Callable
 
 import numpy as np
 import paddle
 
+from fdlite import envs
 from fdlite.graph.cuda import CudaGraph, cuda_graphs_available
 from fdlite.graph.eager_replay import EagerReplayGraph
 from fdlite.graph.capture_sizes import padded_size, worst_case_prefill_split
@@ -151,7 +151,7 @@ class CudaGraphRunner:
 
 def cudagraph_factory(device: str) -> Callable[[], object] | None:
     """What captures graphs here: CUDA graphs on a GPU, the eager stand-in when asked for, else None."""
-    if os.environ.get("FDLITE_CUDAGRAPH_BACKEND", "").lower() == "eager":
+    if envs.FDLITE_CUDAGRAPH_BACKEND == "eager":
         return EagerReplayGraph
     if device == "gpu" and cuda_graphs_available():
         return CudaGraph

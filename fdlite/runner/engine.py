@@ -20,12 +20,12 @@ block its sequence holds alone; a stale read then shows in the outputs. For test
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from fdlite import envs
 from fdlite.config import EngineConfig
 from fdlite.kvcache.block_allocator import BlockAllocator
 from fdlite.runner.input_batch import InputBatch, StepInputs
@@ -65,7 +65,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator, eos_token_ids)
-        self.debug_poison = os.environ.get("FDLITE_DEBUG_POISON_FREED_BLOCKS", "0") not in ("", "0")
+        self.debug_poison = envs.FDLITE_DEBUG_POISON_FREED_BLOCKS
         self.worker = Worker(runner, config.max_num_seqs, config.max_model_len, config.block_size, eos_token_ids,
                              check_writable=self.allocator.check_writable if self.debug_poison else None)
         self.outputs = OutputProcessor(tokenizer)

@@ -22,7 +22,7 @@ Host only (numpy): the runner copies a `FlatBatch` into its persistent device bu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 
 import numpy as np

@@ -13,8 +13,8 @@ that compare the two ways; outputs are the same).
 
 from __future__ import annotations
 
-import os
 
+from fdlite import envs
 from fdlite.detokenizer import IncrementalDetokenizer
 from fdlite.outputs import Logprob
 from fdlite.runner.sequence import Sequence
@@ -24,7 +24,7 @@ from fdlite.sampling_params import SamplingParams
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.incremental = os.environ.get("FDLITE_INCREMENTAL_DETOKENIZE", "0") not in ("", "0")
+        self.incremental = envs.FDLITE_INCREMENTAL_DETOKENIZE
         self._token_text: dict[int, str] = {}
 
     def new_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:

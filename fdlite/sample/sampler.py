@@ -92,43 +92,6 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
-@dataclass
-class SamplingRow:
-    """One row described by its request (tests and tools; the engine builds `SamplingBatch` from slots)."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    seed: int
-
-
-def rows_to_batch(rows: list[SamplingRow], eos_token_ids: set[int], vocab: int) -> SamplingBatch:
-    """A `SamplingBatch` from per-row descriptions (counts binned from the token lists)."""
-    ps = [r.params for r in rows]
-    batch = SamplingBatch(
-        temperature=np.asarray([0.0 if p.is_greedy else p.temperature for p in ps], np.float32),
-        top_k=np.asarray([p.top_k for p in ps], np.int64),
-        top_p=np.asarray([p.top_p for p in ps], np.float32),
-        min_p=np.asarray([p.min_p for p in ps], np.float32),
-        seeds=np.asarray([r.seed for r in rows], np.uint64),
-        positions=np.asarray([len(r.prompt_token_ids) + len(r.output_token_ids) for r in rows], np.int64),
-        num_logprobs=np.asarray([-1 if p.logprobs is None else p.logprobs for p in ps], np.int64),
-    )
-    banned = [(i, t) for i, r in enumerate(rows) for t in stop_tokens_while_short(r.params, len(r.output_token_ids),
-                                                                                  eos_token_ids, vocab)]
-    if banned:
-        batch.banned_rows, batch.banned_tokens = (np.asarray(a, np.int64) for a in zip(*banned))
-    pen = [i for i, p in enumerate(ps) if p.has_penalties]
-    if pen:
-        batch.penalty_rows = np.asarray(pen, np.int64)
-        batch.repetition_penalty = np.asarray([ps[i].repetition_penalty for i in pen], np.float32)
-        batch.frequency_penalty = np.asarray([ps[i].frequency_penalty for i in pen], np.float32)
-        batch.presence_penalty = np.asarray([ps[i].presence_penalty for i in pen], np.float32)
-        batch.output_counts = np.stack([token_counts(rows[i].output_token_ids, vocab) for i in pen])
-        batch.prompt_seen = np.stack([token_counts(rows[i].prompt_token_ids, vocab) > 0 for i in pen])
-    return batch
-
-
 def stop_tokens_while_short(params: SamplingParams, num_output: int, eos_token_ids: set[int], vocab: int) -> list[int]:
     """Token ids masked for a row whose output is still shorter than `min_tokens`.
 
@@ -156,11 +119,8 @@ class Sampler:
         self._forward = dispatch_forward(self)
 
     @paddle.no_grad()
-    def __call__(self, logits: paddle.Tensor, batch: SamplingBatch | list[SamplingRow],
-                 eos_token_ids: set[int] | None = None) -> SamplerOutput:
+    def __call__(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row; see the module docstring for the order of operations."""
-        if not isinstance(batch, SamplingBatch):
-            batch = rows_to_batch(batch, eos_token_ids or set(), logits.shape[-1])
         return self._forward(logits, batch)
 
     def forward_gpu(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -193,37 +153,6 @@ class Sampler:
             self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="fdlite-sampler")
         parts = self._pool.map(lambda rows: _draw(processed[rows], _take(batch, rows)), chunks)
         return np.concatenate(list(parts))
-
-    @paddle.no_grad()
-    def probs(self, logits: paddle.Tensor, batch: SamplingBatch | list[SamplingRow],
-              eos_token_ids: set[int] | None = None) -> paddle.Tensor:
-        """The distribution each row is sampled from, `[rows, vocab]` float32; greedy rows one-hot.
-
-        For tests: the same weights and the same nucleus predicate as the draw, evaluated for every
-        token at once (with a sort) instead of by rejection.
-        """
-        x = _host_logits(logits, batch)
-        if not isinstance(batch, SamplingBatch):
-            batch = rows_to_batch(batch, eos_token_ids or set(), x.shape[1])
-        processed = adjust_logits(x, batch)
-        out = np.zeros(processed.shape, np.float64)
-        greedy = batch.temperature <= 0.0
-        out[np.nonzero(greedy)[0], processed[greedy].argmax(axis=1)] = 1.0
-        rand = np.nonzero(~greedy)[0]
-        if len(rand):
-            sub = _take(batch, rand)
-            w, nucleus_mass = filtered_weights(processed[rand], sub)
-            nucleus_mass = np.where(np.isnan(nucleus_mass), row_totals(w), nucleus_mass)
-            w = w.astype(np.float64)
-            order = np.argsort(-w, axis=1, kind="stable")
-            sorted_w = np.take_along_axis(w, order, axis=1)
-            before = np.cumsum(sorted_w, axis=1) - sorted_w  # mass strictly before each token
-            keep_sorted = before < sub.top_p[:, None].astype(np.float64) * nucleus_mass[:, None]
-            keep = np.zeros_like(keep_sorted)
-            np.put_along_axis(keep, order, keep_sorted, axis=1)
-            w = np.where(keep, w, 0.0)
-            out[rand] = w / w.sum(axis=1, keepdims=True)
-        return paddle.to_tensor(out.astype(np.float32))
 
 
 # --- steps, usable on their own ------------------------------------------------------------------
@@ -380,8 +309,8 @@ def _inverse_cdf(w: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def _host_logits(logits: paddle.Tensor, batch) -> np.ndarray:
-    n = batch.num_rows if isinstance(batch, SamplingBatch) else len(batch)
+def _host_logits(logits: paddle.Tensor, batch: SamplingBatch) -> np.ndarray:
+    n = batch.num_rows
     if logits.ndim != 2 or logits.shape[0] != n:
         raise ValueError(f"logits must be [rows={n}, vocab], got shape {list(logits.shape)}")
     if logits.dtype != paddle.float32:

@@ -8,7 +8,9 @@ GPU, no CUDA and no built library, where `is_available()` is simply False.
 The library is found through the environment variable FDLITE_OPS_LIB (a path to
 libfdlite_allreduce.so or to the Paddle extension built by fdlite/kernels/setup_ops.py,
 which exports the same C symbols), else fdlite/kernels/lib/libfdlite_allreduce.so
-(tools/gpu/build_ops.sh puts it there).
+(tools/gpu/build_ops.sh puts it there), and loaded by fdlite/kernels/native.py. Loaded
+by path (tools/gpu/allreduce_harness.py, where Paddle is missing), this module loads
+native.py and fdlite/envs.py by path too.
 
 Graph capture follows FastDeploy: inside `capture()` an out-of-place all-reduce on a
 capturing stream reads its input where it lies, through a slot of a device-side
@@ -22,12 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
+import sys
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-LIB_ENV = "FDLITE_OPS_LIB"
-LIB_NAME = "libfdlite_allreduce.so"
+if __package__:
+    from fdlite.kernels import native
+else:  # loaded by path: no import of the fdlite package (hence of Paddle)
+    import importlib.util
+
+    native = sys.modules.get("fdlite_native")
+    if native is None:
+        _spec = importlib.util.spec_from_file_location("fdlite_native",
+                                                       Path(__file__).resolve().parent.parent / "native.py")
+        native = sys.modules["fdlite_native"] = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(native)
+
+LIB_ENV = native.ALLREDUCE_LIB_ENV
+LIB_NAME = native.ALLREDUCE_LIB
 ABI_VERSION = 1
 IPC_HANDLE_BYTES = 64
 DEFAULT_STAGING_BYTES = 8 << 20  # FastDeploy's default max_size
@@ -90,10 +104,10 @@ class CustomAllReduceError(RuntimeError):
 
 def find_library() -> tuple[str | None, str]:
     """(path or None, how it was found or why not)."""
-    env = os.environ.get(LIB_ENV)
-    if env:
-        return (env, f"${LIB_ENV}") if os.path.isfile(env) else (None, f"${LIB_ENV}={env} does not exist")
-    here = Path(__file__).resolve().parent.parent / "lib" / LIB_NAME
+    path, why = native.named_library(LIB_ENV)
+    if path is not None or why:
+        return path, why
+    here = native.LIB_DIR / LIB_NAME
     if here.is_file():
         return str(here), "next to the package"
     return None, f"no {LIB_NAME}: set ${LIB_ENV} or run tools/gpu/build_ops.sh"
@@ -107,10 +121,7 @@ class _Lib:
 
     def __init__(self, path: str):
         self.path = path
-        self.c = ctypes.CDLL(path)
-        for name, (res, args) in _SIGNATURES.items():
-            fn = getattr(self.c, name)  # AttributeError: library older than this module
-            fn.restype, fn.argtypes = res, args
+        self.c = native.load_ctypes(path, _SIGNATURES)  # AttributeError: library older than this module
         v = self.c.fdar_abi_version()
         if v != ABI_VERSION:
             raise CustomAllReduceError(f"{path}: ABI version {v}, this module speaks {ABI_VERSION}")

@@ -1,13 +1,25 @@
 // A few plain C entry points of the ops library, called through ctypes: CUDA events of our own
 // runtime on Paddle's stream (Paddle 2.6.2's Event.elapsed_time is a stub returning 0), host-to-device
-// copies for the runner's per-step inputs, and the library's version, so a stale cached build is
-// noticed. No Paddle headers.
+// copies for the runner's per-step inputs, the run-time switches, and the library's version, so a stale
+// cached build is noticed. No Paddle headers.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "ops_options.h"
+
 #define FDL_API extern "C" __attribute__((visibility("default")))
 
-FDL_API int fdl_ops_abi_version(void) { return 3; }
+FDL_API int fdl_ops_abi_version(void) { return 4; }
+
+// The switches of fdlite/envs.py the kernels follow (the C++ side reads no environment): pdl = FDLITE_PDL
+// (0, 1 or 2: see fdl::Options), gemv = FDLITE_GEMV (0 or 1). Called once by fdlite/kernels/gpu.py when it
+// loads the library, before any op runs. Returns 0, or 1 for a pdl outside 0..2 (nothing changed).
+FDL_API int fdl_set_options(int pdl, int gemv) {
+  if (pdl < 0 || pdl > 2) return 1;
+  fdl::options().pdl = pdl;
+  fdl::options().gemv = gemv != 0;
+  return 0;
+}
 
 FDL_API void* fdl_event_create(void) {
   cudaEvent_t e = nullptr;

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops_options.h"
 #include "paddle/extension.h"
 
 namespace fdl {
@@ -96,7 +97,7 @@ inline void require_eager(cudaStream_t s, const char* what) {
 // before it touches memory another kernel writes. So the launch and the ramp-up of kernel i + 1 hide
 // behind kernel i, and the decode GEMV streams its weights before it waits (ops_linear.cu). Inside a
 // CUDA graph the dependencies become programmatic edges. Without the launch attribute, or before sm_90,
-// both calls do nothing and launches serialize as usual (FDLITE_PDL=0 turns the attribute off).
+// both calls do nothing and launches serialize as usual (FDLITE_PDL=0 turns the attribute off: see `Options`).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -108,18 +109,15 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// FDLITE_PDL: 0 = never; 1 = every launch that allows it; unset/2 = only when the previous launch on this
-// thread was one of ours too (after cuBLAS or a copy, a normal launch: see `note_foreign_work`).
+// The PDL mode (`options().pdl`, ops_options.h) in force: the option on sm_90 and later, else 0.
 inline int pdl_mode() {
-  static const int mode = [] {
-    const char* env = std::getenv("FDLITE_PDL");
-    const int m = env == nullptr || env[0] == '\0' ? 2 : std::atoi(env);
+  static const bool hopper = [] {
     int dev = 0, major = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    return major >= 9 ? m : 0;
+    return major >= 9;
   }();
-  return mode;
+  return hopper ? options().pdl : 0;
 }
 
 inline bool& last_launch_ours() {

@@ -131,13 +131,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(O* __restrict__ y, const T* _
   }
 }
 
-bool gemv_enabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("FDLITE_GEMV");
-    return env == nullptr || env[0] != '0';
-  }();
-  return on;
-}
+bool gemv_enabled() { return options().gemv; }
 
 // Rows of W per block: up to 8 warps, as many as kGemvSmem holds; 0 = the row does not fit.
 int gemv_warps(int64_t K, size_t elem) { return (int)std::min<int64_t>(8, kGemvSmem / (K * (int64_t)elem)); }

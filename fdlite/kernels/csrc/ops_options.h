@@ -1,0 +1,22 @@
+// The ops library's run-time switches, in one instance for the whole library (an inline function's static).
+// The C++ side reads no environment: fdlite/kernels/gpu.py sets them once, from fdlite/envs.py, through
+// `fdl_set_options` (ops_capi.cu) when it loads the library, before any op runs. No Paddle or CUDA headers.
+#pragma once
+
+namespace fdl {
+
+struct Options {
+  // FDLITE_PDL: 0 = never; 1 = every launch that allows it; 2 (default) = only when the previous launch on
+  // this thread was one of ours too (after cuBLAS or a copy, a normal launch: see `note_foreign_work` in
+  // ops_common.cuh).
+  int pdl = 2;
+  // FDLITE_GEMV: false sends [N, K] weights at <= 4 rows to cuBLASLt too (ops_linear.cu).
+  bool gemv = true;
+};
+
+inline Options& options() {
+  static Options o;
+  return o;
+}
+
+}  // namespace fdl
