@@ -251,3 +251,14 @@ def test_every_job_is_shares_of_one_path(tmp_path, monkeypatch):
     import fdlite.jobs
 
     assert not os.path.exists(os.path.join(os.path.dirname(fdlite.jobs.__file__), "ranks.py"))
+
+
+def test_summary_counts_one_constrained_request_in_the_singular():
+    from fdlite.jobs.job_summary import JobStats, format_summary
+
+    stats = JobStats(lines=1)
+    stats.add_result(3, 2, 0.1, 0.05, constrained=True)
+    text = format_summary(stats.summary(job=None, output="o", errors_file="e", startup_s=1, wall_time_s=1,
+                                        exit_code=0), "s", "fdlite run-batch")
+    assert text.startswith("fdlite run-batch: 1/1 requests done")
+    assert "structured outputs: 1 constrained request, 0 ended by length" in text

@@ -120,7 +120,8 @@ def format_summary(s: dict[str, Any], summary_path: str, label: str = "fdlite ru
     ]
     so = s["structured_outputs"]
     if so["requests"]:
-        lines.append(f"  structured outputs: {so['requests']} constrained requests, {so['ended_by_length']} ended by "
+        noun = "request" if so["requests"] == 1 else "requests"
+        lines.append(f"  structured outputs: {so['requests']} constrained {noun}, {so['ended_by_length']} ended by "
                      "length (incomplete: raise max_tokens)")
     if r["errors"]:
         lines.append(f"  errors: {s['errors_file']}")
