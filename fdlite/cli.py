@@ -5,6 +5,9 @@ Every `LLM` option and every sampling option is a `--flag` built from the datacl
 `fdlite.jobs.options`), so the command line, the YAML job file and the Python API share one set of
 names, defaults and help texts. Flags win over the job file. Exit codes: 0 done, 1 done but some lines
 failed (see the errors file), 2 nothing ran (bad job file, option or output file), 130 interrupted.
+
+The log on stderr is a few plain lines (model, device, KV cache, ready); `-v` shows every step, each line
+with its time and source. Nothing here imports Paddle until a command runs, so `--help` answers at once.
 """
 
 from __future__ import annotations
