@@ -5,11 +5,16 @@ Every `LLM` option and every sampling option is a `--flag` built from the datacl
 `fdlite.jobs.options`), so the command line, the YAML job file and the Python API share one set of
 names, defaults and help texts. Flags win over the job file. Exit codes: 0 done, 1 done but some lines
 failed (see the errors file), 2 nothing ran (bad job file, option or output file), 130 interrupted.
+
+The log on stderr is a few plain lines (model, device, KV cache, ready); `-v` shows every step, each line
+with its time and source. Nothing here imports Paddle until a command runs, so `--help` answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import textwrap
@@ -62,6 +67,8 @@ def _add_option(group, spec: OptionSpec) -> None:
 
 def _options_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="Log every startup step (debug level), each line with its time and source file:line.")
     engine = p.add_argument_group("LLM options (LLM(...) keyword arguments; top-level keys of a job file)")
     for spec in ENGINE_OPTIONS:
         _add_option(engine, spec)
@@ -184,6 +191,54 @@ def _generate(args: argparse.Namespace, o: Overrides) -> int:
     return 0
 
 
+# What the command prints of fdlite's log: plain lines by default, every line with its time and source under -v.
+_PLAIN_FORMAT = "fdlite: %(message)s"
+_VERBOSE_FORMAT = "[%(asctime)s] [%(levelname)8s] %(filename)s:%(lineno)d - %(message)s"
+
+
+class _PlainFormatter(logging.Formatter):
+    """`fdlite: MESSAGE`, and `fdlite: warning: MESSAGE` from warning level up (as the command's own errors)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if record.levelno >= logging.WARNING:
+            text = text.replace("fdlite: ", f"fdlite: {record.levelname.lower()}: ", 1)
+        return text
+
+
+class _StderrThroughTqdm(logging.Handler):
+    """Writes to the current stderr through tqdm, so a line logged while a progress bar is drawn lands above it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(verbose: bool = False):
+    """fdlite's log on stderr for the duration of a command: INFO and up as plain lines (model, device, KV
+    cache, ready), or DEBUG and up with time and file:line under --verbose. fdlite's lines stop there:
+    Paddle's import installs a root handler of its own that would print each of them a second time.
+    The logger is restored afterwards (tests call `main` many times in one process)."""
+    log = logging.getLogger("fdlite")
+    handler = _StderrThroughTqdm()
+    handler.setFormatter(logging.Formatter(_VERBOSE_FORMAT) if verbose else _PlainFormatter(_PLAIN_FORMAT))
+    saved = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
 def _unknown_arguments(parser: argparse.ArgumentParser, unknown: list[str]) -> int:
     # argparse only says "unrecognized arguments"; name the closest flag, as job files do for their keys.
     flag = next((u.split("=", 1)[0] for u in unknown if u.startswith("--")), None)
@@ -192,7 +247,7 @@ def _unknown_arguments(parser: argparse.ArgumentParser, unknown: list[str]) -> i
     known = [s.flag for s in ENGINE_OPTIONS + SAMPLING_OPTIONS]
     known += [f"--no-{s.flag[2:]}" for s in ENGINE_OPTIONS + SAMPLING_OPTIONS if s.kind == "bool"]
     known += ["--input", "--output", "--errors", "--summary", "--input-format", "--no-progress", "--chat", "--help",
-              "-i", "-o"]
+              "--verbose", "-i", "-o", "-v"]
     print(f"fdlite: error: {unknown_key_error('option', flag, known)}", file=sys.stderr)
     return EXIT_BAD_USAGE
 
@@ -208,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_USAGE
     try:
         o = _overrides(args)
-        return _generate(args, o) if args.command == "generate" else _run(args, o)
+        with _logging_to_stderr(verbose=getattr(args, "verbose", False)):
+            return _generate(args, o) if args.command == "generate" else _run(args, o)
     except (JobConfigError, OutputFileError) as e:
         print(f"fdlite: error: {e}", file=sys.stderr)
         return EXIT_BAD_USAGE

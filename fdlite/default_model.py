@@ -22,6 +22,12 @@ from fdlite import envs
 
 DEFAULT_MODEL_NAME = "fdlite-default-qwen3-tiny"
 
+# Logged once when an `LLM` loads it: a first `fdlite generate "..."` prints gibberish, and this says why.
+RANDOM_WEIGHTS_NOTE = (
+    f"model: the built-in {DEFAULT_MODEL_NAME} has random weights, so its text is gibberish; for real text "
+    "give a model folder or a Hugging Face id (--model Qwen/Qwen3-0.6B, `model:` in a job file, LLM(model=...))"
+)
+
 # Bump the folder name whenever the contents change, so old caches are not reused.
 _FOLDER_NAME = "default-model-v1"
 _ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "qwen3_tokenizer")

@@ -49,7 +49,7 @@ class PhaseRecorder:
             self.events.append(PhaseEvent("end", name, t1, self._read_probes()))
             self.durations[name] = self.durations.get(name, 0.0) + (t1 - t0)
             if log:
-                logger.info("startup phase %s: %.2f s", name, t1 - t0)
+                logger.debug("startup phase %s: %.2f s", name, t1 - t0)
 
     def point(self, name: str, **info) -> None:
         self.events.append(PhaseEvent("point", name, time.perf_counter(), info))

@@ -7,11 +7,14 @@ returns them so the CLI and the YAML job docs never drift from the code.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import numbers
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
+
+from fdlite.config import unknown_key_error
 
 # Below this temperature a request is greedy (same threshold as vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -239,6 +242,26 @@ class SamplingParams:
 
 # Keys `SamplingParams(...)` and `from_dict` accept besides its fields, each standing for structured_outputs.
 ALIASES = ("guided_decoding", "response_format")
+
+
+def _checked_init(cls):
+    """`cls`'s dataclass `__init__`, but an unknown keyword is a TypeError with a "did you mean" (as LLM(), job
+    files and the command line say), not Python's bare "unexpected keyword argument"."""
+    init = cls.__init__
+    known = [f.name for f in fields(cls)] + list(ALIASES)
+    accepted = frozenset(known)
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not accepted.issuperset(kwargs):
+            key = next(k for k in kwargs if k not in accepted)
+            raise TypeError(f"{cls.__name__}: {unknown_key_error('keyword argument', key, known)}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+_checked_init(SamplingParams)
 
 
 # --- validation helpers: each error names the field and the bad value -----------------------

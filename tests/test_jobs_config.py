@@ -57,9 +57,10 @@ def test_every_shipped_config_validates(config):
 
 
 def test_shipped_gpu_config_asks_for_graphs():
+    # Level 0: the shipped example must run on PyPI's one Paddle GPU build (2.6.2 on Python 3.12 has no SOT).
     job = load_job(os.path.join(CONFIGS, "gpu_qwen3.yaml"))
     g = job.engine.graph_optimization_config
-    assert g.graph_opt_level == 1 and g.use_cudagraph is True
+    assert g.graph_opt_level == 0 and g.use_cudagraph is True
     assert job.engine.gpu_memory_utilization < 0.9
 
 

@@ -86,5 +86,5 @@ def test_summary_counts_the_whole_job_and_times_this_run():
     assert (out["input_tokens"], out["output_tokens"], out["output_tokens_per_s"]) == (30, 10, 5.0)
     assert out["latency_s"] == {"p50": 1.0, "p99": 1.49}
     text = format_summary(out, "o.summary.json")
-    assert text.splitlines()[0] == "fdlite run: 4/6 requests done (2 resumed, 2 this run), 1 errors"
+    assert text.splitlines()[0] == "fdlite run: 4/6 requests done (2 resumed, 2 this run), 1 error"
     assert "errors: o.errors.jsonl" in text and "5.0 output tokens/s" in text

@@ -59,7 +59,20 @@ def launched_world_size() -> int:
 
 
 def launched_rank() -> int:
+    """This process's rank in the launch, from the launcher's `PADDLE_TRAINER_ID` (0 when not launched)."""
     return envs.PADDLE_TRAINER_ID
+
+
+def has_process_group() -> bool:
+    """True once a Paddle process group spans the launched processes (`init_tensor_parallel` sets it up)."""
+    if launched_world_size() <= 1:
+        return False
+    try:
+        import paddle.distributed as dist
+
+        return dist.is_initialized()
+    except Exception:  # no paddle.distributed in this build: no group
+        return False
 
 
 def launch_hint(n: int) -> str:

@@ -18,7 +18,7 @@ import yaml
 
 from fdlite.config import EngineConfig, unknown_key_error
 from fdlite.jobs.job_input import FORMATS, InputFileError, check_input, detect_format, merge_sampling
-from fdlite.jobs.ranks import world_size
+from fdlite.distributed.parallel_state import launched_world_size
 from fdlite.model_source import is_model_id
 from fdlite.jobs.options import ENGINE_OPTIONS, SAMPLING_OPTIONS, check_value
 from fdlite.sampling_params import ALIASES, SamplingParams
@@ -207,10 +207,10 @@ def _build_job(path: str | None, data: dict, where: _Where, base_dir: str, overr
     except (ValueError, TypeError) as e:
         raise where.blame(str(e), list(engine)) from None
     procs = engine_config.data_parallel_size * engine_config.tensor_parallel_size
-    if engine_config.data_parallel_size > 1 and world_size() != procs:
+    if engine_config.data_parallel_size > 1 and launched_world_size() != procs:
         raise where.error("data_parallel_size", f"{engine_config.data_parallel_size} x tensor_parallel_size "
-                          f"{engine_config.tensor_parallel_size} needs {procs} processes, but {world_size()} "
-                          f"{'was' if world_size() == 1 else 'were'} started: run the job under "
+                          f"{engine_config.tensor_parallel_size} needs {procs} processes, but {launched_world_size()} "
+                          f"{'was' if launched_world_size() == 1 else 'were'} started: run the job under "
                           f"`python -m paddle.distributed.launch --nproc_per_node {procs} fdlite run ...` "
                           f"(GPUs: --gpus 0,...,{procs - 1})")
     if engine_config.skip_tokenizer_init:

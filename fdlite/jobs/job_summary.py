@@ -100,16 +100,16 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def format_summary(s: dict[str, Any], summary_path: str) -> str:
-    """A few human lines for the terminal."""
+def format_summary(s: dict[str, Any], summary_path: str, label: str = "fdlite run") -> str:
+    """A few human lines for the terminal, the first one starting with `label` (the command)."""
     r = s["requests"]
 
     def sec(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f} s"
 
     lines = [
-        f"fdlite run: {r['done']}/{r['lines']} requests done ({r['resumed']} resumed, {r['this_run']} this run), "
-        f"{r['errors']} errors",
+        f"{label}: {r['done']}/{r['lines']} requests done ({r['resumed']} resumed, {r['this_run']} this run), "
+        f"{r['errors']} error{'' if r['errors'] == 1 else 's'}",
         f"  tokens: {s['input_tokens']} input, {s['output_tokens']} output; wall time {s['wall_time_s']:.2f} s "
         f"(+ {s['startup_s']:.2f} s startup); {s['output_tokens_per_s']:.1f} output tokens/s",
         f"  prefill: {s['prefill_tokens_computed']} tokens computed; prefix cache hit {s['prefix_cache']['hit_tokens']} "
@@ -120,7 +120,8 @@ def format_summary(s: dict[str, Any], summary_path: str) -> str:
     ]
     so = s["structured_outputs"]
     if so["requests"]:
-        lines.append(f"  structured outputs: {so['requests']} constrained requests, {so['ended_by_length']} ended by "
+        noun = "request" if so["requests"] == 1 else "requests"
+        lines.append(f"  structured outputs: {so['requests']} constrained {noun}, {so['ended_by_length']} ended by "
                      "length (incomplete: raise max_tokens)")
     if r["errors"]:
         lines.append(f"  errors: {s['errors_file']}")

@@ -151,7 +151,7 @@ def load() -> bool:
                     raise
                 _state.update(ok=False, reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         if _state["ok"]:
-            logger.info("CPU paged attention: C++ op (%s)", _state["path"])
+            logger.debug("CPU paged attention: C++ op (%s)", _state["path"])
         else:
             logger.info("CPU paged attention: Paddle-op reference (%s)", _state["reason"])
         return _state["ok"]

@@ -164,7 +164,7 @@ class ModelRunner:
         pooled = None if not sizes or self.device != "gpu" or graphs_share_pool() else sum(sizes)
         reserve = graph_reserve_bytes(profile, largest, len(sizes), pooled)
         available = kv_cache_bytes(profile, self.config.gpu_memory_utilization, reserve)
-        logger.info("KV cache sizing: total %.2f GiB x %.2f, in use after profiling %.2f GiB, activation peak %.2f GiB, "
+        logger.debug("KV cache sizing: total %.2f GiB x %.2f, in use after profiling %.2f GiB, activation peak %.2f GiB, "
                     "CUDA-graph reserve %.2f GiB -> %.2f GiB for the cache", profile.total / 2**30,
                     self.config.gpu_memory_utilization, profile.used_after / 2**30,
                     (profile.peak_during - profile.allocated_before) / 2**30, reserve / 2**30, available / 2**30)
