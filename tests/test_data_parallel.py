@@ -138,7 +138,9 @@ def test_sigkill_of_one_rank_then_rerun_gives_each_id_once(tmp_path, single):
     assert results(tmp_path) == single  # nothing lost, nothing twice, the same tokens
     shares = {x["share"]: x for x in summary(tmp_path)["data_parallel"]["shares"]}
     assert shares[1]["resumed"] == 2  # group 1 redid only what was missing
-    assert shares[0]["this_run"] == 0 or shares[0]["resumed"] == 0  # group 0 had finished or had not started
+    # Group 0 is stopped by the launcher at any point of its share (finished, not started, or part way):
+    # whatever it had written counts as resumed, the rest it did now, each request once.
+    assert sum(x["resumed"] + x["this_run"] for x in shares.values()) == 12
     assert summary(tmp_path)["requests"]["done"] == 12
 
 
