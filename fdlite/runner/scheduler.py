@@ -55,6 +55,7 @@ class ScheduledBatch:
     grown: list[Sequence] = field(default_factory=list)  # running sequences that got new blocks
     joined: list[Sequence] = field(default_factory=list)  # sequences admitted from the queue this step
     finished: list[Sequence] = field(default_factory=list)  # finished or aborted since the last schedule
+    num_decodes: int = 0  # leading rows known to be one-token decodes (the common step's fast path)
 
 
 class Scheduler:
@@ -93,7 +94,11 @@ class Scheduler:
     def _update_after_schedule(self, batch: ScheduledBatch) -> None:
         """The rows' tokens count as computed now (the forwards run in order, so any later step reads
         them); each row that catches up samples a token whose value comes later: a placeholder."""
-        for seq, n in batch.rows:
+        rows = batch.rows
+        for seq, _ in rows[: batch.num_decodes]:  # each computes its newest token and samples the next
+            seq.num_computed_tokens += 1
+            seq.num_output_placeholders += 1
+        for seq, n in rows[batch.num_decodes :]:
             c = seq.num_computed_tokens = seq.num_computed_tokens + n
             if c == seq.num_tokens:
                 seq.num_output_placeholders += 1
@@ -181,6 +186,7 @@ class Scheduler:
             self.allocator.grow(seq.block_table, seq.num_computed_tokens + 1)
         batch.grown.extend(need)
         batch.rows.extend(zip(self.running, repeat(1)))  # C speed: this runs every step for every row
+        batch.num_decodes = len(batch.rows)
         return True
 
     # ---- chunked prefill limits ------------------------------------------------------------
@@ -273,7 +279,7 @@ class Scheduler:
         if self.allocator.prefix_cache is not None:
             bs = self.block_size
             for seq, _ in scheduled.rows:
-                if min(seq.num_computed_tokens, seq.num_known_tokens) // bs > seq.num_hashed_blocks:
+                if seq.num_computed_tokens // bs > seq.num_hashed_blocks:  # (hashes only known tokens)
                     self.allocator.cache_full_blocks(seq)
         finished = []
         for i in candidates:
@@ -300,6 +306,7 @@ class Scheduler:
         """Async scheduling: the batch scheduled ahead holds rows that finished meanwhile; they leave it
         before the worker prepares it (their blocks are free already)."""
         b = self._latest
+        b.num_decodes -= sum(s in gone for s, _ in b.rows[: b.num_decodes])
         b.rows = [(s, n) for s, n in b.rows if s not in gone]
         b.grown = [s for s in b.grown if s not in gone]
 
