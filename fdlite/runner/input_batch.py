@@ -213,30 +213,43 @@ class InputBatch:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def prepare_inputs(self, rows: list[tuple[Sequence, int]]) -> StepInputs:
+    def prepare_inputs(self, rows: list[tuple[Sequence, int]], num_decodes: int = 0) -> StepInputs:
         """The flat inputs and sampling parameters of the scheduled rows (decodes first), and a
         reserved position for each row's sampled token. The rows' sequences already count this
-        step's tokens as computed (the scheduler advanced them)."""
-        # map/itemgetter/attrgetter: the per-row work of a step runs at C speed (half a genexpr's cost).
-        counts = np.fromiter(map(_second, rows), np.int64, len(rows))
-        if (counts != 1).any():  # decodes first, each group in scheduler order
-            order = np.argsort(counts != 1, kind="stable")
-            rows, counts = [rows[i] for i in order.tolist()], counts[order]
+        step's tokens as computed (the scheduler advanced them). `num_decodes`: leading rows the
+        scheduler knows are decodes; when that is every row (the common step) their computed counts
+        follow from the rows' tokens, and the sequences are not read."""
+        b = len(rows)
         seqs = list(map(_first, rows))
-        slots = np.fromiter(map(self.slot_of.__getitem__, seqs), np.int64, len(rows))
-        computed = np.fromiter(map(_computed_of, seqs), np.int64, len(rows)) - counts
-        num_tokens = self.num_tokens[slots]
-        samples = computed + counts == num_tokens  # caught up: the last position predicts
+        slots = np.fromiter(map(self.slot_of.__getitem__, seqs), np.int64, b)
+        if b and num_decodes == b:  # each row computes its newest token and samples
+            counts = np.ones(b, np.int64)
+            num_tokens = self.num_tokens[slots]
+            computed = num_tokens - 1
+            samples = np.ones(b, bool)
+            num_decode_tokens = b
+        else:
+            # map/itemgetter/attrgetter: the per-row work of a step runs at C speed (half a genexpr's cost).
+            counts = np.fromiter(map(_second, rows), np.int64, b)
+            if (counts != 1).any():  # decodes first, each group in scheduler order
+                order = np.argsort(counts != 1, kind="stable")
+                rows, counts = [rows[i] for i in order.tolist()], counts[order]
+                seqs = list(map(_first, rows))
+                slots = slots[order]
+            computed = np.fromiter(map(_computed_of, seqs), np.int64, b) - counts
+            num_tokens = self.num_tokens[slots]
+            samples = computed + counts == num_tokens  # caught up: the last position predicts
+            # A decode: one token, the sequence's newest, after at least one output token.
+            num_decode_tokens = int(((counts == 1) & (num_tokens > self.num_prompt[slots])
+                                     & (computed == num_tokens - 1)).sum())
         flat = flat_batch(self.token_ids, slots, computed, counts, self.block_table, self.block_size, samples)
-        # A decode: one token, the sequence's newest, after at least one output token.
-        decodes = (counts == 1) & (num_tokens > self.num_prompt[slots]) & (computed == num_tokens - 1)
         idx = np.nonzero(samples)[0]
         sample_slots = slots[idx]
-        sample_seqs = [seqs[i] for i in idx.tolist()] if len(idx) != len(rows) else seqs
+        sample_seqs = [seqs[i] for i in idx.tolist()] if len(idx) != b else seqs
         sampling = self.sampling_batch(sample_slots) if len(idx) else None
         positions = self.num_tokens[sample_slots]
         self.num_tokens[sample_slots] += 1
-        return StepInputs(flat, slots, counts, sample_seqs, sample_slots, positions, sampling, int(decodes.sum()))
+        return StepInputs(flat, slots, counts, sample_seqs, sample_slots, positions, sampling, num_decode_tokens)
 
     def sampling_batch(self, slots: np.ndarray) -> SamplingBatch:
         """Sampling parameters of `slots`, gathered from the per-slot arrays."""

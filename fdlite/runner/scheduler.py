@@ -56,6 +56,7 @@ class ScheduledBatch:
     joined: list[Sequence] = field(default_factory=list)  # sequences admitted from the queue this step
     finished: list[Sequence] = field(default_factory=list)  # finished or aborted since the last schedule
     num_decodes: int = 0  # leading rows known to be one-token decodes (the common step's fast path)
+    filled: list[Sequence] = field(default_factory=list)  # rows whose step completes a block (prefix caching)
 
 
 class Scheduler:
@@ -74,12 +75,14 @@ class Scheduler:
         # Sequences whose prefill spans steps and is unfinished -> whether it counts as long.
         self.partial_prefills: dict[Sequence, bool] = {}
         self.num_preemptions = 0
+        self.num_constrained = 0  # unfinished sequences with a grammar (structured outputs)
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else set()  # model + tokenizer EOS
         self._left: list[Sequence] = []  # finished since the last schedule: the next batch tells the worker
         self._latest: ScheduledBatch | None = None  # the last batch handed out
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.num_constrained += seq.grammar is not None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -94,14 +97,19 @@ class Scheduler:
     def _update_after_schedule(self, batch: ScheduledBatch) -> None:
         """The rows' tokens count as computed now (the forwards run in order, so any later step reads
         them); each row that catches up samples a token whose value comes later: a placeholder."""
-        rows = batch.rows
+        rows, bs, filled = batch.rows, self.block_size, batch.filled
+        caching = self.allocator.prefix_cache is not None
         for seq, _ in rows[: batch.num_decodes]:  # each computes its newest token and samples the next
-            seq.num_computed_tokens += 1
+            c = seq.num_computed_tokens = seq.num_computed_tokens + 1
             seq.num_output_placeholders += 1
+            if caching and c // bs > seq.num_hashed_blocks:
+                filled.append(seq)
         for seq, n in rows[batch.num_decodes :]:
             c = seq.num_computed_tokens = seq.num_computed_tokens + n
             if c == seq.num_tokens:
                 seq.num_output_placeholders += 1
+            if caching and c // bs > seq.num_hashed_blocks:
+                filled.append(seq)
 
     def _schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
@@ -270,17 +278,12 @@ class Scheduler:
         sequence lets go of them); `candidates` (the rows that may stop, found on token ids by the
         worker) are checked, with the stop string the output processor found in a row's text; a
         constrained row's grammar takes its token. Returns the sequences that finished."""
-        constrained = []
         for seq, token in zip(seqs, tokens):
             seq.output_token_ids.append(token)
             seq.num_output_placeholders -= 1
-            if seq.grammar is not None:
-                constrained.append((seq, token))
-        if self.allocator.prefix_cache is not None:
-            bs = self.block_size
-            for seq, _ in scheduled.rows:
-                if seq.num_computed_tokens // bs > seq.num_hashed_blocks:  # (hashes only known tokens)
-                    self.allocator.cache_full_blocks(seq)
+        constrained = [(s, t) for s, t in zip(seqs, tokens) if s.grammar is not None] if self.num_constrained else ()
+        for seq in scheduled.filled:  # hashes only the known tokens: a block with a placeholder waits
+            self.allocator.cache_full_blocks(seq)
         finished = []
         for i in candidates:
             seq, token = seqs[i], tokens[i]
@@ -309,6 +312,7 @@ class Scheduler:
         b.num_decodes -= sum(s in gone for s, _ in b.rows[: b.num_decodes])
         b.rows = [(s, n) for s, n in b.rows if s not in gone]
         b.grown = [s for s in b.grown if s not in gone]
+        b.filled = [s for s in b.filled if s not in gone]
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished sequence, running or waiting."""
@@ -316,11 +320,13 @@ class Scheduler:
             self.finish(seq, "abort")
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.num_constrained -= seq.grammar is not None
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark a running sequence finished and free its blocks (their full blocks stay cached)."""
         was_running = seq.status is SequenceStatus.RUNNING
         self._left.append(seq)
+        self.num_constrained -= seq.grammar is not None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

@@ -47,7 +47,7 @@ class Worker:
         if self.check_writable is not None:
             for seq, n in scheduled.rows:
                 self.check_writable(seq.block_table, seq.num_computed_tokens - n, seq.num_computed_tokens)
-        return ib.prepare_inputs(scheduled.rows)
+        return ib.prepare_inputs(scheduled.rows, scheduled.num_decodes)
 
     def execute(self, prepared: StepInputs) -> SamplerOutput | None:
         """Forward and sample (None when no row samples)."""
