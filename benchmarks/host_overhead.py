@@ -29,7 +29,7 @@ With `--async-scheduling` the forward runs in a worker thread while the next ste
 phase times (per thread) overlap and can add up to more than the step: "other" goes negative by
 the overlap. The "host" column is the step minus the forward.
 
-`--stub-forward` replaces the model's forward with fixed random logits (current tree only): the
+`--stub-forward` replaces the model's forward with fixed random logits (in a `--ref` run too): the
 step then is the engine's host work alone, as a GPU would see it beside an asynchronous forward,
 without the CPU forward's effect on caches (which makes the same host code slower after it).
 """
@@ -322,6 +322,10 @@ def _case_args(args) -> list[str]:
            "--large-vocab-tokens", *map(str, args.large_vocab_tokens), "--batches", *map(str, args.batches),
            "--large-vocab-batches", *map(str, args.large_vocab_batches),
            "--large-vocab-modes", *args.large_vocab_modes]
+    if args.async_scheduling:
+        out.append("--async-scheduling")
+    if args.stub_forward:
+        out.append("--stub-forward")
     return out
 
 
