@@ -88,7 +88,7 @@ def fit_to_cache(choice: LengthChoice, num_blocks: int, block_size: int) -> int:
     if choice.user_set:
         return choice.tokens
     if choice.tokens <= capacity or capacity < 2:  # a cache too small for anything: allocation says so
-        logger.debug("max_model_len=%d: the model's context length (%s); the KV cache holds %d tokens",
+        logger.info("max_model_len=%d: the model's context length (%s); the KV cache holds %d tokens",
                     choice.tokens, choice.model.source, capacity)
         return choice.tokens
     logger.info("max_model_len=%d: what the KV cache holds (%d blocks of %d tokens), below the model's context "
