@@ -283,6 +283,42 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_package_structure.py::test_one_call_per_phase_each_step",),
         "new",
     ),
+    # ---- a newcomer's first run and the repository's hygiene ----------------------------------------------
+    Mutation(
+        "sampling-params-bare-typeerror",
+        "SamplingParams(tempreature=...) is Python's bare TypeError again, without \"did you mean\"",
+        (Edit("fdlite/sampling_params.py",
+              "        if not accepted.issuperset(kwargs):\n",
+              "        if False:  # MUTATION\n"),),
+        ("tests/test_first_run.py::test_sampling_params_typo_says_did_you_mean",),
+        "new",
+    ),
+    Mutation(
+        "finished-job-loads-the-model",
+        "A job whose every request is done loads the model anyway",
+        (Edit("fdlite/jobs/job_runner.py",
+              "        if pending or launched_world_size() > 1:\n",
+              "        if True:  # MUTATION\n"),),
+        ("tests/test_first_run.py::test_a_finished_job_says_nothing_to_do",),
+        "new",
+    ),
+    Mutation(
+        "env-read-outside-envs",
+        "A module reads an FDLITE_ variable itself instead of through fdlite/envs.py",
+        (Edit("fdlite/runner/engine.py",
+              "        self.debug_poison = envs.FDLITE_DEBUG_POISON_FREED_BLOCKS\n",
+              "        self.debug_poison = os.environ.get(\"FDLITE_DEBUG_POISON_FREED_BLOCKS\") == \"1\"  # MUTATION\n"),
+         Edit("fdlite/runner/engine.py", "import time\n", "import os\nimport time\n")),
+        ("tests/test_envs.py",),
+        "new",
+    ),
+    Mutation(
+        "machine-path-in-docs",
+        "A machine's absolute path written into the docs",
+        (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /root/work/fdlite.\n"),),
+        ("tests/test_repository_hygiene.py",),
+        "new",
+    ),
 )
 
 
