@@ -315,7 +315,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
-        (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /root/work/fdlite.\n"),),
+        (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)
         ("tests/test_repository_hygiene.py",),
         "new",
     ),
