@@ -11,8 +11,6 @@ has to look a little before the new text since a stop string may span two tokens
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 # How many prompt tokens of context the first decode gets (vLLM uses the same 5 (+2) so that a leading space
 # or a half-finished character at the start of the output is decoded as it would be in the full text).
 INITIAL_OFFSET = 5
@@ -100,12 +98,3 @@ class IncrementalDetokenizer:
         self.text = self.text[: i + len(s)] if self.include_stop_str_in_output else self.text[:i]
         self.stop_reason = s
         return s
-
-
-def detokenize(tokenizer, prompt_token_ids: list[int], output_ids: Iterable[int], **kwargs) -> IncrementalDetokenizer:
-    """Feed all of `output_ids` through an `IncrementalDetokenizer` (stops early at a stop string); for tests/tools."""
-    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, **kwargs)
-    for token_id in output_ids:
-        if detok.append(token_id) is not None:
-            break
-    return detok

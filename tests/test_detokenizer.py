@@ -4,8 +4,17 @@ import pytest
 from env_patch import EnvMonkeyPatch
 
 from fdlite.default_model import default_model_path
-from fdlite.detokenizer import IncrementalDetokenizer, detokenize
+from fdlite.detokenizer import IncrementalDetokenizer
 from fdlite.tokenizer import Tokenizer
+
+
+def detokenize(tokenizer, prompt_token_ids, output_ids, **kwargs) -> IncrementalDetokenizer:
+    """Feed all of `output_ids` through an `IncrementalDetokenizer` (stops early at a stop string)."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, **kwargs)
+    for token_id in output_ids:
+        if detok.append(token_id) is not None:
+            break
+    return detok
 
 OUTPUTS = [
     "The quick brown fox jumps over the lazy dog.",

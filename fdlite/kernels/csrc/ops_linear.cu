@@ -6,7 +6,7 @@
 //   launch, ops_common.cuh), so weight streaming overlaps the kernels before it. Measured on the H100
 //   for Qwen3-0.6B's 112 projections at M = 1: 0.40 ms against cuBLASLt's 0.68 ms (docs/benchmarks.md).
 // - otherwise cuBLASLt, the bias in its epilogue. Paddle's own matmul does nothing on sm_90 with PyPI's
-//   wheel (ops_common.cuh); measured in SPIKE2, cuBLAS from a custom op runs at torch.matmul's speed.
+//   wheel (ops_common.cuh); measured on the H100 (docs/design.md, "The GPU host framework"), cuBLAS from a custom op runs at torch.matmul's speed.
 //
 // Capture safety: the handles and the workspace (plain cudaMalloc, outside Paddle's allocator) are
 // made by the first call on each device, which must be eager (checked); later calls, inside a
