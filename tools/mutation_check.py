@@ -252,7 +252,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("fdlite/runner/scheduler.py",
               "            if c == seq.num_tokens:\n                seq.num_output_placeholders += 1\n",
               "            if c == seq.num_tokens and False:  # MUTATION\n                seq.num_output_placeholders += 1\n"),),
-        ("tests/test_scheduler.py", "tests/test_async_scheduling.py"),
+        ("tests/test_scheduler.py",),  # (the engine tests would spin: rows with nothing left to compute)
         "new",
     ),
     Mutation(
