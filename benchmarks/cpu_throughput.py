@@ -9,6 +9,10 @@ the faster of the two. Prints output tokens/s of each and the ratio as a markdow
 
     python benchmarks/cpu_throughput.py                      # writes a random Qwen3-shaped model
     python benchmarks/cpu_throughput.py --model PATH         # any supported HF-layout model
+    python benchmarks/cpu_throughput.py --ref cb8af1a        # and fdlite at that commit, interleaved
+
+`--ref GIT_REF` adds a row for fdlite at an older commit (`git archive` into a temporary folder, its
+worker run with PYTHONPATH pointing there), in the same interleaved rounds.
 
 Needs the test extra (torch, transformers): pip install -e ".[cpu,test]".
 """
@@ -22,6 +26,8 @@ import tempfile
 import time
 
 import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A small Qwen3 (GQA, q/k norm, tied embeddings) so a CPU run takes minutes, not hours.
 BENCH_CONFIG = dict(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -123,6 +129,8 @@ def _spawn(args, worker: str, env_extra: dict[str, str]) -> dict:
 
     env = {k: v for k, v in os.environ.items() if k != "MKL_DEBUG_CPU_TYPE"}
     env.update(env_extra, OMP_NUM_THREADS=str(args.threads))
+    if "PYTHONPATH" not in env_extra:  # this checkout, not an installed fdlite elsewhere
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--model", args.model,
            "--num-prompts", str(args.num_prompts), "--min-len", str(args.min_len), "--max-len", str(args.max_len),
            "--max-tokens", str(args.max_tokens), "--batch", str(args.batch), "--threads", str(args.threads),
@@ -146,15 +154,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2,
                     help="Runs of each engine, interleaved; the table shows each engine's best.")
+    ap.add_argument("--ref", default=None, metavar="GIT_REF", help="also run fdlite at this commit, interleaved")
     ap.add_argument("--worker", choices=["fdlite", "transformers"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return _worker(args)
 
     args.model = args.model or write_bench_model(tempfile.mkdtemp(prefix="fdlite-bench-"))
+    engines = list(ENGINES)
+    if args.ref:
+        import subprocess
+
+        ref_tree = tempfile.mkdtemp(prefix=f"fdlite-ref-{args.ref}-")
+        archive = subprocess.run(["git", "-C", ROOT, "archive", args.ref], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", ref_tree], input=archive, check=True)
+        engines.insert(1, (f"fdlite at {args.ref}", "fdlite", {"PYTHONPATH": ref_tree}))
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
-        for label, worker, env in ENGINES:
+        for label, worker, env in engines:
             r = _spawn(args, worker, env)
             r["tps"] = r["tokens"] / r["seconds"]
             runs = best.setdefault(label, {"all": []})
@@ -173,6 +190,8 @@ def main() -> None:
     fd = best[ENGINES[0][0]]["tps"]
     hf = max(best[label]["tps"] for label, _, _ in ENGINES[1:])
     print(f"ratio fdlite / best transformers: {fd / hf:.2f}x")
+    if args.ref:
+        print(f"ratio fdlite / fdlite at {args.ref}: {fd / best[engines[1][0]]['tps']:.2f}x")
 
 
 if __name__ == "__main__":
