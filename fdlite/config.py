@@ -102,6 +102,11 @@ class EngineConfig:
                               "Qwen/Qwen3-0.6B (local cache first, else downloaded); None uses the built-in default model.")
     tokenizer: str | None = _opt(None, "Tokenizer folder or model id; defaults to the model's.")
     skip_tokenizer_init: bool = _opt(False, "Load no tokenizer: prompts must be token ids and outputs have no text.")
+    generation_config: str = _opt(
+        "auto", "Where requests' sampling defaults come from: auto (the model's generation_config.json sets "
+        "temperature, top_p, top_k, min_p and repetition_penalty for requests that leave them unset, as in vLLM), "
+        "vllm (fdlite's own defaults), or a folder holding a generation_config.json."
+    )
     reasoning_parser: str | None = _opt(
         None, "Split a thinking model's <think>...</think> part of each output into CompletionOutput.reasoning_content "
         "(text keeps the answer): qwen3 or ernie45, as vLLM's parsers of those names; none: text is the whole output.")

@@ -18,6 +18,7 @@ from fdlite.graph.static_graph import check_graph_opt_level, translation_count
 from fdlite.kernels import cpu_attention
 from fdlite.model_source import resolve_model
 from fdlite.models.context_length import choose_max_model_len, fit_to_cache
+from fdlite.models.generation_config import sampling_defaults
 from fdlite.models.model_config import ModelConfig
 from fdlite.sample.random import sequence_seed
 from fdlite.outputs import CompletionOutput, RequestOutput
@@ -66,6 +67,11 @@ class LLM:
         else:
             logger.info(RANDOM_WEIGHTS_NOTE)
         self.phases = PhaseRecorder(probes={"sot_translations": translation_count})
+        self.sampling_defaults = sampling_defaults(self.config.generation_config, self.model_path)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from generation_config.json: %s (a request's own values win; "
+                        "generation_config='vllm' ignores the file)",
+                        ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()))
 
         with self.phases.phase("compile_ops"):
             self._compile_ops()
@@ -123,6 +129,11 @@ class LLM:
         if not device.startswith("cpu"):
             return
         cpu_attention.load()  # logs "compiling ... (once; cached under ...)" when it is not cached yet
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without its own `SamplingParams` gets: fdlite's defaults with the model's
+        generation_config.json sampling fields over them (`generation_config` option; vLLM's name)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -204,15 +215,21 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
+            params_list = [sampling_params.with_defaults(self.sampling_defaults)] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one, or one per prompt"
                 )
+            if self.sampling_defaults:  # once per distinct object: a job's lines often share one
+                merged: dict[int, SamplingParams] = {}
+                for p in params_list:
+                    if id(p) not in merged:
+                        merged[id(p)] = p.with_defaults(self.sampling_defaults)
+                params_list = [merged[id(p)] for p in params_list]
         failed: list[tuple[int, RequestOutput]] = []
         live: list[tuple[RequestOutput, list[Sequence]]] = []
         tokenized = [self._prompt_ids(prompt) for prompt in prompts]

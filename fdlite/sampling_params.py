@@ -12,7 +12,7 @@ import json
 import math
 import numbers
 from dataclasses import InitVar, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from fdlite.config import unknown_key_error
 
@@ -141,6 +141,8 @@ class SamplingParams:
     job fails before any model is loaded.
     """
 
+    _set_fields: ClassVar[frozenset[str]] = frozenset()  # per instance: the fields its caller gave
+
     n: int = _opt(1, "Number of completions to generate for the prompt.")
     presence_penalty: float = _opt(
         0.0, "Subtracted from a token's logit if it already appears in the output; in [-2, 2]."
@@ -215,6 +217,16 @@ class SamplingParams:
         """True when any presence / frequency / repetition penalty changes the logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    def with_defaults(self, defaults: dict[str, Any]) -> SamplingParams:
+        """This request with `defaults` (field -> value) for the fields its caller left unset (the model's
+        generation_config.json, `fdlite/models/generation_config.py`); itself when none applies."""
+        unset = {k: v for k, v in defaults.items() if k not in self._set_fields and getattr(self, k) != v}
+        if not unset:
+            return self
+        merged = SamplingParams(**{**self.to_dict(), **unset})
+        merged._set_fields = self._set_fields
+        return merged
+
     def clone(self) -> SamplingParams:
         """A deep copy (lists such as `stop` are not shared)."""
         return copy.deepcopy(self)
@@ -251,12 +263,17 @@ def _checked_init(cls):
     known = [f.name for f in fields(cls)] + list(ALIASES)
     accepted = frozenset(known)
 
+    names = [f.name for f in fields(cls)]
+
     @functools.wraps(init)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not accepted.issuperset(kwargs):
             key = next(k for k in kwargs if k not in accepted)
             raise TypeError(f"{cls.__name__}: {unknown_key_error('keyword argument', key, known)}")
         init(self, *args, **kwargs)
+        # The fields the caller gave (the rest may take the model's generation_config.json defaults).
+        self._set_fields = frozenset(names[: len(args)]) | frozenset(
+            "structured_outputs" if k in ALIASES else k for k in kwargs)
 
     cls.__init__ = __init__
 

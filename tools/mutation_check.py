@@ -283,6 +283,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_package_structure.py::test_one_call_per_phase_each_step",),
         "new",
     ),
+    Mutation(
+        "generation-config-ignored",
+        "The model's generation_config.json sampling defaults never reach a request",
+        (Edit("fdlite/sampling_params.py",
+              "        if not unset:\n            return self\n",
+              "        if True:  # MUTATION\n            return self\n"),),
+        ("tests/test_generation_config.py",),
+        "new",
+    ),
+    Mutation(
+        "generation-config-overrides-the-request",
+        "generation_config.json values replace the ones a request set itself",
+        (Edit("fdlite/sampling_params.py",
+              "        unset = {k: v for k, v in defaults.items() if k not in self._set_fields and getattr(self, k) != v}\n",
+              "        unset = {k: v for k, v in defaults.items() if getattr(self, k) != v}  # MUTATION\n"),),
+        ("tests/test_generation_config.py",),
+        "new",
+    ),
     # ---- a newcomer's first run and the repository's hygiene ----------------------------------------------
     Mutation(
         "sampling-params-bare-typeerror",
