@@ -42,6 +42,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # JSON without optional whitespace (vLLM's name)
+    # JSON: a regex for each place whitespace may go (vLLM's name); None: at most one space, or one newline and
+    # an indentation of up to 24 spaces or tabs (`structured/grammar.py`, BOUNDED_WHITESPACE).
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
@@ -50,6 +53,12 @@ class StructuredOutputsParams:
                         given or "none")
         if not isinstance(self.disable_any_whitespace, bool):
             raise _fail("structured_outputs.disable_any_whitespace", "a bool", self.disable_any_whitespace)
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
+                raise _fail("structured_outputs.whitespace_pattern", "a non-empty regex string", self.whitespace_pattern)
+            if self.disable_any_whitespace:
+                raise ValueError("SamplingParams.structured_outputs: give disable_any_whitespace (compact JSON) or "
+                                 "whitespace_pattern, not both")
         kind = given[0]
         spec = getattr(self, kind)
         if kind == "json":
@@ -71,7 +80,7 @@ class StructuredOutputsParams:
             raise _fail("structured_outputs.json_object", "true", spec)
         from fdlite.structured.grammar import compile_grammar, constraint_key  # noqa: PLC0415 (keeps import light)
 
-        self._key = constraint_key(kind, spec, self.disable_any_whitespace)
+        self._key = constraint_key(kind, spec, self.disable_any_whitespace, self.whitespace_pattern)
         try:
             compile_grammar(self._key)
         except ValueError as e:
@@ -170,8 +179,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = _opt(False, "Keep the matched stop string at the end of the text.")
     structured_outputs: StructuredOutputsParams | None = _opt(
         None, "Constrain the output: one of json (a JSON schema), regex, choice (list of strings), grammar "
-              "(Lark or EBNF) or json_object: true, as a mapping or JSON; disable_any_whitespace: true for compact "
-              "JSON. Also accepted: guided_decoding (vLLM's older name) and response_format (OpenAI's)."
+              "(Lark or EBNF) or json_object: true, as a mapping or JSON; JSON whitespace is bounded unless "
+              "whitespace_pattern says otherwise, disable_any_whitespace: true for compact JSON. Also accepted: "
+              "guided_decoding (vLLM's older name) and response_format (OpenAI's)."
     )
     # Aliases for input only (not stored): vLLM's older spelling and OpenAI's response_format.
     guided_decoding: InitVar[Any] = None

@@ -15,6 +15,7 @@ import pytest
 
 from fdlite import LLM, SamplingParams
 from fdlite.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+from fdlite.structured.grammar import FLEXIBLE_WHITESPACE
 
 SCHEMA = {
     "type": "object",
@@ -89,7 +90,16 @@ KINDS = [  # (constraint, checker of a finished output's text)
 ]
 # JSON's flexible whitespace (vLLM's default): a random model spends many tokens on whitespace, so it is
 # only in the smaller tests.
-FLEXIBLE = (StructuredOutputsParams(json=SCHEMA), _check_json_schema)
+FLEXIBLE = (StructuredOutputsParams(json=SCHEMA, whitespace_pattern=FLEXIBLE_WHITESPACE), _check_json_schema)
+# A second schema of bounded size: every string has a maxLength, no additional properties.
+SETTINGS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20},
+                   "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+                   "ok": {"type": "boolean"}},
+    "required": ["city", "tags", "ok"],
+    "additionalProperties": False,
+}
 
 
 def _requests(num: int, max_tokens: int = 64, kinds=KINDS) -> list[SamplingParams]:
@@ -146,6 +156,24 @@ def test_200_constrained_requests_validate_and_repeat(llm):
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in again] == [[c.token_ids for c in o.outputs] for o in first]
     assert llm.engine.structured.num_compiled == len(KINDS)  # one compiled matcher per distinct constraint
+
+
+def test_json_with_the_default_whitespace_finishes_on_a_random_model(llm):
+    """64 JSON requests on the built-in (random-weight) model, greedy and sampled: with JSON's own whitespace
+    rule every one ran to max_tokens on spaces and newlines; with the default bound each ends with a
+    complete, valid object well within max_tokens=200."""
+    schemas = [SCHEMA, SETTINGS]
+    params = [SamplingParams(max_tokens=200, structured_outputs={"json": schemas[i % 2]},
+                             **(dict(temperature=0) if i % 4 < 2 else dict(temperature=1.0, top_p=0.95, seed=i)))
+              for i in range(64)]
+    outs = llm.generate([f"JSON number {i}:" for i in range(64)], params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (i, c.text[:300])
+        jsonschema.validate(json.loads(c.text), schemas[i % 2])
+        # At most one newline in a row, and an indentation of at most 24 after it.
+        assert "\n\n" not in c.text and not re.search(r"\n[ \t]{25}", c.text), repr(c.text)
+    assert max(len(o.outputs[0].token_ids) for o in outs) < 200
 
 
 def test_mixed_batch_leaves_unconstrained_rows_alone(llm):

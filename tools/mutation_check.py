@@ -301,6 +301,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_generation_config.py",),
         "new",
     ),
+    Mutation(
+        "json-whitespace-unbounded",
+        "JSON constraints allow any run of whitespace by default again (a weak model never finishes)",
+        (Edit("fdlite/structured/grammar.py",
+              "{\"whitespace_pattern\": whitespace or BOUNDED_WHITESPACE}",
+              "{\"whitespace_pattern\": whitespace or FLEXIBLE_WHITESPACE}  # MUTATION"),),
+        ("tests/test_structured_outputs.py::test_json_with_the_default_whitespace_finishes_on_a_random_model",),
+        "new",
+    ),
     # ---- a newcomer's first run and the repository's hygiene ----------------------------------------------
     Mutation(
         "sampling-params-bare-typeerror",

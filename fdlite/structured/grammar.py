@@ -20,27 +20,36 @@ except ImportError:  # pragma: no cover
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
+# JSON whitespace by default: at most one space or tab, or one newline and an indentation of up to 24 spaces or
+# tabs, at each place JSON allows whitespace. JSON's own rule (any run of whitespace, vLLM's default with
+# xgrammar) lets a weak model spend every token up to max_tokens on spaces and newlines inside an object: a
+# random-weight model did so in 64 of 64 requests, and finished all 64 with this bound.
+BOUNDED_WHITESPACE = r"[\x20\x09]|\x0A[\x20\x09]{0,24}"
+FLEXIBLE_WHITESPACE = r"[\x20\x0A\x0D\x09]+"  # JSON's own rule, for `whitespace_pattern`
+
 
 def _require() -> None:
     if _llg is None:
         raise ValueError("structured outputs need the llguidance package: pip install llguidance")
 
 
-def constraint_key(kind: str, spec, disable_any_whitespace: bool) -> str:
+def constraint_key(kind: str, spec, disable_any_whitespace: bool, whitespace_pattern: str | None = None) -> str:
     """A canonical string for a constraint: equal constraints (e.g. the same schema with keys in another
     order) share one compiled grammar."""
-    return json.dumps([kind, spec, disable_any_whitespace], sort_keys=True, separators=(",", ":"))
+    return json.dumps([kind, spec, disable_any_whitespace, whitespace_pattern], sort_keys=True, separators=(",", ":"))
 
 
 @functools.lru_cache(maxsize=256)
 def compile_grammar(key: str) -> str:
     """llguidance grammar text for `constraint_key(...)`; `ValueError` with the backend's reason if invalid."""
     _require()
-    kind, spec, compact = json.loads(key)
+    kind, spec, compact, whitespace = json.loads(key)
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else spec
-        # Flexible whitespace is JSON's own rule (vLLM's default); compact JSON is vLLM's disable_any_whitespace.
-        grammar = _llg.LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": not compact})
+        # Compact JSON is vLLM's disable_any_whitespace; otherwise each place whitespace may go matches the
+        # pattern at most once (llguidance's whitespace_pattern), bounded unless the request says otherwise.
+        overrides = {"whitespace_flexible": False} if compact else {"whitespace_pattern": whitespace or BOUNDED_WHITESPACE}
+        grammar = _llg.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
     elif kind == "regex":
         grammar = _llg.LLMatcher.grammar_from_regex(spec)
     elif kind == "choice":
