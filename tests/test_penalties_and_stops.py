@@ -1,0 +1,106 @@
+"""End to end against independent references: repetition, presence and frequency penalties (transformers'
+`RepetitionPenaltyLogitsProcessor`, and OpenAI's presence/frequency rule in a few lines of torch), stop ids
+under `ignore_eos`, the children of a seeded `n > 1` request, and a prompt whose every block is cached."""
+
+import pytest
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from fdlite import LLM, SamplingParams
+from hf_models import load_reference
+
+MAX_NEW = 10
+PROMPTS = [[5, 9, 13, 17, 21, 9, 9], [100, 7, 3, 3, 3, 7], [42] * 9, list(range(3, 40))]
+
+
+@torch.no_grad()
+def penalized_greedy(model, prompt: list[int], max_new: int, repetition=1.0, presence=0.0, frequency=0.0,
+                     repeat_prompt=True):
+    """Greedy decoding with the penalties applied to transformers' fp32 logits, one token at a time.
+    `repeat_prompt=False`: the repetition penalty counts output tokens only (to show a test tells them apart)."""
+    ids, out = list(prompt), []
+    repeat = RepetitionPenaltyLogitsProcessor(repetition)  # prompt and output tokens, as vLLM
+    for _ in range(max_new):
+        logits = model(torch.tensor([ids])).logits[:, -1].float()
+        seen = ids if repeat_prompt else out
+        if seen:
+            logits = repeat(torch.tensor([seen]), logits)
+        if out:  # OpenAI's rule: output tokens only
+            counts = torch.bincount(torch.tensor(out), minlength=logits.shape[-1]).float()
+            logits[0] -= frequency * counts + presence * (counts > 0).float()
+        token = int(logits.argmax())
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3(model_dirs):
+    llm = LLM(model_dirs["qwen3"], skip_tokenizer_init=True, max_num_seqs=8, block_size=16, max_model_len=256)
+    return llm, load_reference(model_dirs["qwen3"])
+
+
+@pytest.mark.parametrize("penalties", [dict(repetition=1.8), dict(presence=1.5), dict(frequency=2.0),
+                                       dict(repetition=1.3, presence=0.7, frequency=0.9)])
+def test_penalties_match_transformers(qwen3, penalties):
+    llm, ref = qwen3
+    # A prompt that ends the way the model goes on: its greedy continuation repeats prompt tokens, which only
+    # a repetition penalty over the prompt too (vLLM's and transformers' rule) pushes away from.
+    prompts = PROMPTS + [PROMPTS[0] + penalized_greedy(ref, PROMPTS[0], 3)]
+    if "repetition" in penalties:
+        assert penalized_greedy(ref, prompts[-1], MAX_NEW, **penalties) != penalized_greedy(
+            ref, prompts[-1], MAX_NEW, **penalties, repeat_prompt=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                            repetition_penalty=penalties.get("repetition", 1.0),
+                            presence_penalty=penalties.get("presence", 0.0),
+                            frequency_penalty=penalties.get("frequency", 0.0))
+    # Each prompt beside an unpenalized request, so a row's penalties are shown to stay its own.
+    plain = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts for _ in (0, 1)], [params, plain] * len(prompts),
+                        use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs[0::2]]
+    want = [penalized_greedy(ref, p, MAX_NEW, **penalties) for p in prompts]
+    assert got == want
+    assert [o.outputs[0].token_ids for o in outs[1::2]] == [penalized_greedy(ref, p, MAX_NEW) for p in prompts]
+    assert got != [o.outputs[0].token_ids for o in outs[1::2]]  # the penalties changed something
+
+
+def test_stop_token_ids_still_stop_with_ignore_eos(qwen3):
+    """vLLM: ignore_eos ignores EOS only; a stop id still ends the output."""
+    llm, _ = qwen3
+    free = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    # A prompt whose greedy output has a token first seen after the first two (min_tokens=2 bans stop ids
+    # there, which would change those two tokens).
+    prompt, tokens, first = next((p, o.outputs[0].token_ids, i) for p, o in zip(PROMPTS, free)
+                                 for i, t in enumerate(o.outputs[0].token_ids)
+                                 if i >= 2 and t not in o.outputs[0].token_ids[:i])
+    stop_at = tokens[first]
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[stop_at],
+                                      min_tokens=2), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert out.token_ids == tokens[: first + 1]
+
+
+def test_seeded_children_draw_different_tokens_and_repeat(qwen3):
+    llm, _ = qwen3
+    params = SamplingParams(temperature=1.0, n=4, seed=7, max_tokens=MAX_NEW, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
+    children = [c.token_ids for c in first.outputs]
+    assert len({tuple(c) for c in children}) == 4, children  # each child its own draw
+    again = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == children  # the same seed, the same children
+
+
+def test_a_prompt_whose_every_block_is_cached_still_computes_its_last_token(qwen3):
+    llm, ref = qwen3
+    prompt = list(range(50, 82))  # 32 tokens: exactly two blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    want = penalized_greedy(ref, prompt, MAX_NEW)
+    assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    again = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    st = llm.last_generate_stats
+    assert again[0].outputs[0].token_ids == want
+    # The first block comes from the cache; the second holds the last token, whose logits pick the next one.
+    assert st["prefix_cache_hit_tokens"] == 16 and st["prefill_tokens_computed"] == 16
