@@ -174,8 +174,43 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     return paddle.to_tensor(np.asarray(ids, np.int64))
 
 
+def apply_penalties_(logits, rows, slots, counts, prompt, rep, freq, pres):
+    """ops_logits.cu's rule in float32, row by row."""
+    CALLS["apply_penalties_"] += 1
+    x = logits.numpy().copy()
+    c, seen_prompt = counts.numpy(), prompt.numpy().astype(bool)
+    for p, (r, s) in enumerate(zip(rows.numpy().tolist(), slots.numpy().tolist())):
+        n = c[s]
+        r_, f, q = (np.float32(t.numpy()[p]) for t in (rep, freq, pres))
+        v = np.where((n > 0) | seen_prompt[s], np.where(x[r] > 0, x[r] / r_, x[r] * r_), x[r]).astype(np.float32)
+        x[r] = (v - f * n).astype(np.float32) - q * (n > 0).astype(np.float32)
+    _assign(logits, x)
+
+
+def scatter_(dst, rows, cols, values, add=False):
+    CALLS["scatter_"] += 1
+    x = dst.numpy().copy()
+    r, c, v = rows.numpy(), cols.numpy(), values.numpy()
+    if add:
+        np.add.at(x, (r, c), v.astype(x.dtype))
+    else:
+        x[r, c] = v
+    _assign(dst, x)
+
+
+def apply_bitmask_(logits, rows, mask):
+    CALLS["apply_bitmask_"] += 1
+    x = logits.numpy().copy()
+    m = mask.numpy()
+    for i, r in enumerate(rows.numpy().tolist()):
+        bits = np.array([(int(m[i, v // 32]) >> (v % 32)) & 1 for v in range(x.shape[1])], bool)
+        x[r, ~bits] = -np.inf
+    _assign(logits, x)
+
+
 OPS = ("fill_", "copy_", "copy_from_host", "copy_from_host_many", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
-       "rope_qk_norm_cache", "paged_attention", "lm_head_logits", "argmax", "sample")
+       "rope_qk_norm_cache", "paged_attention", "lm_head_logits", "argmax", "sample", "apply_penalties_", "scatter_",
+       "apply_bitmask_")
 
 
 def install(monkeypatch) -> Counter:

@@ -163,7 +163,7 @@ def test_emulated_gpu_graphs_replay_padded_batches(model_dirs, monkeypatch):
     assert (calls["copy_from_host_many"] - before[0], calls["copy_from_host"] - before[1]) == (stats["num_steps"], 0)
 
 
-def test_emulated_gpu_sampler_applies_penalties_bans_and_logprobs_on_the_host(model_dirs, monkeypatch):
+def test_emulated_gpu_sampler_applies_penalties_and_bans_on_the_device(model_dirs, monkeypatch):
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=False, min_tokens=4, repetition_penalty=1.8,
                              logprobs=3),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0),
@@ -179,7 +179,10 @@ def test_emulated_gpu_sampler_applies_penalties_bans_and_logprobs_on_the_host(mo
         for lg, lw in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
             assert lg.keys() == lw.keys()
             assert all(abs(lg[t].logprob - lw[t].logprob) < 1e-4 and lg[t].rank == lw[t].rank for t in lg)
-    assert calls["gather_rows"] > 0 and calls["copy_from_host"] > 0  # logprob rows out, adjusted rows back
+    # Penalties and bans by the device kernels; only the logprob rows' raw logits go to the host, nothing back.
+    assert calls["apply_penalties_"] > 0 and calls["scatter_"] > 0
+    # (The embedding and the LM head gather rows too: the gathers beyond theirs are the logprob rows'.)
+    assert calls["gather_rows"] > calls["lm_head_logits"] + calls["embedding"] and calls["copy_from_host"] == 0
 
 
 def test_emulated_gpu_seeded_sampling_follows_the_kernel_rule(model_dirs, monkeypatch):
@@ -228,18 +231,25 @@ def test_bf16_checkpoint_loads_without_frombuffer(tmp_path, monkeypatch):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
-def test_emulated_gpu_sampler_applies_grammar_masks_on_the_host(monkeypatch):
-    """Constrained rows (structured outputs) go through the GPU sampler's host round trip: same tokens as on CPU."""
+def test_emulated_gpu_sampler_applies_grammar_masks_on_the_device(monkeypatch):
+    """Constrained rows (structured outputs) get their bitmask applied by a device kernel, no logits to the host:
+    the same tokens as on CPU."""
     from fdlite.sampling_params import StructuredOutputsParams
 
     common = dict(max_num_seqs=4, max_model_len=128, kv_cache_memory_bytes=1 << 24)
     params = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-c]{3}-[0-9]{2}")),
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["up", "down"]))]
-    ps = ["one", "two", "three"]
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["up", "down"])),
+              # min_tokens bans EOS, but a complete grammar allows nothing else: the grammar wins, as on CPU.
+              SamplingParams(temperature=0, max_tokens=12, min_tokens=8,
+                             structured_outputs=StructuredOutputsParams(choice=["up", "down"]))]
+    ps = ["one", "two", "three", "four"]
     want = LLM(device="cpu", **common).generate(ps, params, use_tqdm=False)
     calls = _emulate_gpu(monkeypatch)
     got = LLM(**common).generate(ps, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert want[0].outputs[0].text[:4] and want[2].outputs[0].text in ("up", "down")
-    assert calls["gather_rows"] > 0 and calls["copy_from_host"] > 0
+    assert want[3].outputs[0].text in ("up", "down") and want[3].outputs[0].finish_reason == "stop"
+    assert calls["apply_bitmask_"] > 0 and calls["copy_from_host"] == 0
+    # The embedding's and the LM head's own gathers only: no logits to the host.
+    assert calls["gather_rows"] == calls["lm_head_logits"] + calls["embedding"]

@@ -327,6 +327,40 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     return _run("fdl_sample", logits, temperature, top_k, top_p, min_p, seeds, positions)[0]
 
 
+# ------------------------------------------------------------------ (g) logits processors (ops_logits.cu)
+def apply_penalties_(logits, rows, slots, counts, prompt, rep, freq, pres):
+    """Repetition / frequency / presence penalties on rows `rows` of float32 logits [R, V], in place; row p
+    reads the token tables' row slots[p] (counts [S, V] float32, prompt [S, V] uint8). rows/slots int64 [P],
+    rep/freq/pres float32 [P]. The CPU sampler's arithmetic, bit for bit (ops_logits.cu)."""
+    _check(logits, "logits", ("float32",), ndim=2)
+    for t, n in ((rows, "rows"), (slots, "slots")):
+        _check(t, n, ("int64",))
+    _check(counts, "counts", ("float32",), ndim=2)
+    _check(prompt, "prompt", ("uint8",), ndim=2)
+    for t, n in ((rep, "rep"), (freq, "freq"), (pres, "pres")):
+        _check(t, n, ("float32",))
+    _run("fdl_apply_penalties_", logits, rows, slots, counts, prompt, rep, freq, pres)
+
+
+def scatter_(dst, rows, cols, values, add: bool = False):
+    """dst[rows[i], cols[i]] = values[i] (or += with add; float32 dst only), in place: dst [N, V] float32 or
+    uint8, rows/cols int64 [K], values float32 [K]."""
+    _check(dst, "dst", ("float32", "uint8"), ndim=2)
+    for t, n in ((rows, "rows"), (cols, "cols")):
+        _check(t, n, ("int64",))
+    _check(values, "values", ("float32",))
+    _run("fdl_scatter_", dst, rows, cols, values, bool(add))
+
+
+def apply_bitmask_(logits, rows, mask):
+    """-inf into float32 logits [R, V] wherever the row's bit is 0: rows int64 [C], mask int32 [C, ceil(V / 32)]
+    (bit j of word i is token 32 i + j), in place."""
+    _check(logits, "logits", ("float32",), ndim=2)
+    _check(rows, "rows", ("int64",))
+    _check(mask, "mask", ("int32",), ndim=2)
+    _run("fdl_apply_bitmask_", logits, rows, mask)
+
+
 def uniform(seeds, positions, round_: int = 0):
     """The sampler's noise u(seed, position, round) as float32 [S] (fdlite.sample.random.uniforms, float32, on the GPU)."""
     _check(seeds, "seeds", ("int64",))
@@ -337,4 +371,4 @@ def uniform(seeds, positions, round_: int = 0):
 __all__ = ["load", "capi", "GpuOpsError", "set_checks", "fill_", "cast_", "cast", "copy_", "copy_from_host",
            "current_stream_handle", "gather_rows", "embedding", "rms_norm",
            "fused_add_rms_norm_", "silu_and_mul", "linear", "rope_qk_norm_cache", "paged_attention",
-           "lm_head_logits", "argmax", "sample", "uniform"]
+           "lm_head_logits", "argmax", "sample", "uniform", "apply_penalties_", "scatter_", "apply_bitmask_"]

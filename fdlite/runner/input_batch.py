@@ -116,7 +116,7 @@ class InputBatch:
     """Per-slot state of up to `max_num_seqs` running sequences."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 eos_token_ids: set[int]):
+                 eos_token_ids: set[int], host_penalty_tables: bool = True):
         n = max_num_seqs
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -142,9 +142,13 @@ class InputBatch:
         self.repetition_penalty = np.ones(n, np.float32)
         self.frequency_penalty = np.zeros(n, np.float32)
         self.presence_penalty = np.zeros(n, np.float32)
-        # [slots, vocab] penalty state, allocated when the first request with penalties joins.
+        # [slots, vocab] penalty state, allocated when the first request with penalties joins; on the host for
+        # the CPU sampler. Without `host_penalty_tables` (the GPU) the sampler keeps them on the device, and
+        # the batch only says which slots start over (`penalty_resets`).
+        self.host_penalty_tables = host_penalty_tables
         self.output_counts: np.ndarray | None = None
         self.prompt_seen: np.ndarray | None = None
+        self._penalty_resets: list[tuple[int, list[int], list[int]]] = []
         # Stop checks the engine does on token ids.
         self.max_tokens = np.full(n, np.iinfo(np.int64).max, np.int64)
         self.ignore_eos = np.zeros(n, bool)
@@ -189,6 +193,9 @@ class InputBatch:
             self.repetition_penalty[slot] = p.repetition_penalty
             self.frequency_penalty[slot] = p.frequency_penalty
             self.presence_penalty[slot] = p.presence_penalty
+            if not self.host_penalty_tables:
+                self._penalty_resets.append((slot, seq.prompt_token_ids, list(seq.output_token_ids)))
+                return
             if self.output_counts is None:
                 self.output_counts = np.zeros((len(self.seqs), self.vocab_size), np.float32)
                 self.prompt_seen = np.zeros((len(self.seqs), self.vocab_size), bool)
@@ -276,8 +283,13 @@ class InputBatch:
             batch.repetition_penalty = self.repetition_penalty[ps]
             batch.frequency_penalty = self.frequency_penalty[ps]
             batch.presence_penalty = self.presence_penalty[ps]
-            batch.output_counts = self.output_counts[ps]
-            batch.prompt_seen = self.prompt_seen[ps]
+            batch.penalty_slots = ps
+            if self.host_penalty_tables:
+                batch.output_counts = self.output_counts[ps]
+                batch.prompt_seen = self.prompt_seen[ps]
+        if self._penalty_resets:
+            batch.penalty_resets, self._penalty_resets = self._penalty_resets, []
+            batch.num_slots = len(self.seqs)
         return batch
 
     def write_tokens(self, step: StepInputs, tokens: np.ndarray) -> np.ndarray:

@@ -29,7 +29,8 @@ class Worker:
                  eos_token_ids: set[int], check_writable: Callable[[list[int], int, int], None] | None = None):
         self.runner = runner
         self.vocab_size = runner.model_config.vocab_size
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, self.vocab_size, eos_token_ids)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, self.vocab_size, eos_token_ids,
+                                      host_penalty_tables=runner.device != "gpu")
         runner.eos_token_ids = sorted(eos_token_ids)  # what a grammar row may end with
         self.check_writable = check_writable  # debug: every KV write goes to a block its row holds alone
 

@@ -64,8 +64,15 @@ class SamplingBatch:
     repetition_penalty: np.ndarray | None = None  # [P] float32
     frequency_penalty: np.ndarray | None = None
     presence_penalty: np.ndarray | None = None
+    # The rows' token tables: on the host (CPU) the rows themselves, [P, vocab]; on the GPU they live on the
+    # device, one row per slot (`penalty_slots`), kept by the GPU sampler from `penalty_resets`.
     output_counts: np.ndarray | None = None  # [P, vocab] float32: occurrences in the output so far
     prompt_seen: np.ndarray | None = None  # [P, vocab] bool: occurs in the prompt
+    penalty_slots: np.ndarray | None = None  # [P] int64: each penalty row's slot in the persistent batch
+    # (slot, prompt token ids, output token ids) of penalty slots (re)taken since the last batch: their
+    # device tables start from these. `num_slots`: rows of the device tables.
+    penalty_resets: list = field(default_factory=list)
+    num_slots: int = 0
     # Structured outputs, for the rows `grammar_rows` only (None when no row is constrained): the rows'
     # matchers (filled into a bitmask by the runner) and that bitmask, [G, ceil(vocab / 32)] int32.
     grammar_rows: np.ndarray | None = None
@@ -116,6 +123,7 @@ class Sampler:
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
+        self._gpu = None  # GpuSampler (sampler_gpu.py), with its device token tables, on the GPU path
         self._forward = dispatch_forward(self)
 
     @paddle.no_grad()
@@ -124,9 +132,11 @@ class Sampler:
         return self._forward(logits, batch)
 
     def forward_gpu(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        from fdlite.sample.sampler_gpu import sample_on_gpu  # noqa: PLC0415
+        if self._gpu is None:
+            from fdlite.sample.sampler_gpu import GpuSampler  # noqa: PLC0415
 
-        return sample_on_gpu(logits, batch)
+            self._gpu = GpuSampler()
+        return self._gpu(logits, batch)
 
     def forward_cpu(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         x = _host_logits(logits, batch)

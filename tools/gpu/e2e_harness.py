@@ -35,12 +35,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
-ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown"])
+ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown", "sampling"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
 ap.add_argument("--families", default="qwen2,qwen3,llama", help="fp32 parity families ('' for none)")
 ap.add_argument("--skip-bf16", action="store_true")
+ap.add_argument("--cases", default="", help="sampling: only the cases whose name holds one of these comma-separated words")
 ARGS = ap.parse_args()
 os.makedirs(ARGS.out, exist_ok=True)
 RES: dict = {"section": ARGS.section, "results": {}, "errors": []}
@@ -597,9 +598,62 @@ def section_breakdown():
         run("protocol_by_step_kind", case)
 
 
+# ---- sampling features at full speed (device-side logits processors) ---------------------------
+def section_sampling():
+    """Each sampling feature's output tokens/s beside plain temperature sampling, in one process (one `LLM`):
+    128 of the protocol's prompts, 128 output tokens each (`ignore_eos` unless a case needs EOS), graphs on;
+    then a JSON-schema batch of 64 beside its unconstrained twin."""
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+
+    state = {}
+
+    def startup():
+        state["llm"] = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256,
+                           max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True)
+        return {"kv_blocks": state["llm"].num_blocks}
+
+    prompts, _ = protocol(n=128)
+    base = dict(max_tokens=128, ignore_eos=True)
+    cases = {
+        "temperature=0.6": dict(temperature=0.6),
+        "temperature=0.7, top_p=0.8, top_k=20": dict(temperature=0.7, top_p=0.8, top_k=20),
+        "+ repetition_penalty=1.05": dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
+        "presence_penalty=1.5": dict(temperature=0.7, presence_penalty=1.5),
+        "frequency_penalty=0.5": dict(temperature=0.6, frequency_penalty=0.5),
+        "min_tokens=64 (EOS banned until then)": dict(temperature=0.6, min_tokens=64, ignore_eos=False),
+        "logprobs=5": dict(temperature=0.6, logprobs=5),
+    }
+
+    def bench(kw):
+        def f():
+            llm = state["llm"]
+            params = SamplingParams(**{**base, **kw})
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], SamplingParams(**{**base, **kw, "max_tokens": 4}),
+                         use_tqdm=False)  # warm-up
+            t = time.time()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            s = time.time() - t
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            return {"output_tokens": n, "generate_s": round(s, 2), "output_tokens_per_s": round(n / s, 1)}
+        return f
+
+    run("startup", startup)
+    if "llm" not in state:
+        return
+    wanted = [w for w in ARGS.cases.split(",") if w]
+    for name, kw in cases.items():
+        if not wanted or any(w in name for w in wanted):
+            run(name, bench(kw))
+    plain = RES["results"].get("temperature=0.6", {}).get("output_tokens_per_s")
+    if plain:
+        RES["results"]["share_of_plain"] = {k: round(v["output_tokens_per_s"] / plain, 3)
+                                            for k, v in RES["results"].items() if "output_tokens_per_s" in v}
+
+
 if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
-     "throughput": section_throughput, "diag": section_diag, "breakdown": section_breakdown}[ARGS.section]()
+     "throughput": section_throughput, "diag": section_diag, "breakdown": section_breakdown,
+     "sampling": section_sampling}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))

@@ -750,6 +750,92 @@ check("sample [256,151936] mixed greedy/temperature/top-k/top-p/min-p vs numpy r
 check("sample [64,1000] flat logits (many ties)", t_sample(64, 1000, peaky=0.01))
 
 
+# ------------------------------------------------------------------ logits processors (ops_logits.cu)
+def t_penalties(R, S, V):
+    """Bit-exact against the CPU sampler's own numpy code (fdlite.sample.sampler.apply_penalties)."""
+    def f():
+        from fdlite.sample.sampler import SamplingBatch, apply_penalties
+
+        x = (rng.standard_normal((R, V)) * 3).astype(np.float32)
+        rows = np.sort(rng.choice(R, size=max(1, R // 2), replace=False)).astype(np.int64)
+        slots = rng.choice(S, size=len(rows), replace=False).astype(np.int64)
+        counts = np.zeros((S, V), np.float32)
+        prompt = np.zeros((S, V), np.uint8)
+        for s in range(S):
+            np.add.at(counts[s], rng.integers(0, V, 40), 1.0)
+            prompt[s, rng.integers(0, V, 300)] = 1
+        P = len(rows)
+        rep = rng.choice([1.0, 1.05, 1.3, 2.0, 0.8], P).astype(np.float32)
+        freq = rng.choice([0.0, 0.5, -0.7, 2.0], P).astype(np.float32)
+        pres = rng.choice([0.0, 1.5, -1.0], P).astype(np.float32)
+        want = x.copy()
+        b = SamplingBatch(temperature=np.zeros(R, np.float32), top_k=np.zeros(R, np.int64), top_p=np.ones(R, np.float32),
+                          min_p=np.zeros(R, np.float32), seeds=np.zeros(R, np.uint64), positions=np.zeros(R, np.int64),
+                          num_logprobs=np.full(R, -1, np.int64), penalty_rows=rows, repetition_penalty=rep,
+                          frequency_penalty=freq, presence_penalty=pres, output_counts=counts[slots],
+                          prompt_seen=prompt[slots].astype(bool))
+        want[rows] = apply_penalties(x[rows], b)
+        g = to_gpu(x, "float32")
+        G.apply_penalties_(g, to_gpu(rows, "int64"), to_gpu(slots, "int64"), to_gpu(counts, "float32"),
+                           to_gpu(prompt, "uint8"), to_gpu(rep, "float32"), to_gpu(freq, "float32"), to_gpu(pres, "float32"))
+        got = to_np(g)
+        diff = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
+        return diff == 0, float(diff), 0, f"R={R} P={P} S={S} V={V}: {diff} elements differ in any bit"
+    return f
+
+
+def t_scatter():
+    V, N = 151936, 9
+    base = rng.standard_normal((N, V)).astype(np.float32)
+    rows = rng.integers(0, N, 500).astype(np.int64)
+    cols = rng.integers(0, V, 500).astype(np.int64)
+    cols[:50] = cols[50:100]  # repeated positions must add up
+    rows[:50] = rows[50:100]
+    vals = rng.standard_normal(500).astype(np.float32)
+    g = to_gpu(base, "float32")
+    G.scatter_(g, to_gpu(rows, "int64"), to_gpu(cols, "int64"), to_gpu(vals, "float32"), add=True)
+    want = base.astype(np.float64)
+    np.add.at(want, (rows, cols), vals.astype(np.float64))
+    err_add = float(np.max(np.abs(to_np(g) - want)))
+    u = to_gpu(np.zeros((N, V), np.uint8), "uint8")
+    G.scatter_(u, to_gpu(rows, "int64"), to_gpu(cols, "int64"), to_gpu(np.ones(500, np.float32), "float32"))
+    mark = np.zeros((N, V), np.uint8)
+    mark[rows, cols] = 1
+    s = to_gpu(base, "float32")
+    G.scatter_(s, to_gpu(rows[50:], "int64"), to_gpu(cols[50:], "int64"), to_gpu(np.full(450, -np.inf, np.float32), "float32"))
+    banned = base.copy()
+    banned[rows[50:], cols[50:]] = -np.inf
+    ok = err_add < 1e-5 and np.array_equal(to_np(u), mark) and np.array_equal(to_np(s), banned)
+    return ok, err_add, 1e-5, "float32 add with repeats, uint8 set, -inf set"
+
+
+def t_bitmask(C, V):
+    def f():
+        from fdlite.sample.sampler import apply_token_bitmask
+
+        R = C + 3
+        x = rng.standard_normal((R, V)).astype(np.float32)
+        rows = np.sort(rng.choice(R, size=C, replace=False)).astype(np.int64)
+        W = (V + 31) // 32
+        mask = rng.integers(-2**31, 2**31 - 1, (C, W), dtype=np.int64).astype(np.int32)
+        mask[0] = 0
+        mask[0, W - 1] = 1 << ((V - 1) % 32)  # only the last token allowed: the word past V's edge
+        want = apply_token_bitmask(x.copy(), mask, rows)
+        g = to_gpu(x, "float32")
+        G.apply_bitmask_(g, to_gpu(rows, "int64"), to_gpu(mask, "int32"))
+        got = to_np(g)
+        ok = np.array_equal(np.isneginf(got), np.isneginf(want)) and np.array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
+        return ok, 0.0 if ok else math.inf, 0, f"C={C} of R={R} rows, V={V}"
+    return f
+
+
+check("apply_penalties_ [64,151936] == the CPU sampler's numpy, bit for bit", t_penalties(64, 32, 151936))
+check("apply_penalties_ [5,1001] odd vocabulary", t_penalties(5, 5, 1001))
+check("scatter_ (add with repeats, uint8 marks, -inf bans)", t_scatter)
+check("apply_bitmask_ [32,151936] == the CPU sampler's numpy", t_bitmask(32, 151936))
+check("apply_bitmask_ [3,1001] odd vocabulary", t_bitmask(3, 1001))
+
+
 def t_sample_dist():
     V, S = 50, 20000
     row = (rng.standard_normal(V) * 2).astype(np.float32)
