@@ -628,8 +628,8 @@ def section_sampling():
         def f():
             llm = state["llm"]
             params = SamplingParams(**{**base, **kw})
-            llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], SamplingParams(**{**base, **kw, "max_tokens": 4}),
-                         use_tqdm=False)  # warm-up
+            warm = {**base, **kw, "max_tokens": 4, "min_tokens": 0}
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], SamplingParams(**warm), use_tqdm=False)
             t = time.time()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             s = time.time() - t
@@ -641,6 +641,7 @@ def section_sampling():
     if "llm" not in state:
         return
     wanted = [w for w in ARGS.cases.split(",") if w]
+    run("warm-up run (plain, not counted)", bench(cases["temperature=0.6"]))
     for name, kw in cases.items():
         if not wanted or any(w in name for w in wanted):
             run(name, bench(kw))

@@ -133,7 +133,7 @@ def q(a, dt):
 
 def to_gpu(a, dt):
     """numpy -> GPU tensor of dtype dt by host-to-device copy only (no Paddle kernel)."""
-    if dt in ("int32", "int64"):
+    if dt in ("int32", "int64", "uint8"):
         return paddle.to_tensor(np.ascontiguousarray(a, dtype=dt), place=paddle.CUDAPlace(0))
     a = np.asarray(a, dtype=np.float32)
     if dt == "float32":
@@ -819,7 +819,7 @@ def t_bitmask(C, V):
         W = (V + 31) // 32
         mask = rng.integers(-2**31, 2**31 - 1, (C, W), dtype=np.int64).astype(np.int32)
         mask[0] = 0
-        mask[0, W - 1] = 1 << ((V - 1) % 32)  # only the last token allowed: the word past V's edge
+        mask[0, W - 1] = np.array([1 << ((V - 1) % 32)], np.uint32).view(np.int32)[0]  # only the last token allowed
         want = apply_token_bitmask(x.copy(), mask, rows)
         g = to_gpu(x, "float32")
         G.apply_bitmask_(g, to_gpu(rows, "int64"), to_gpu(mask, "int32"))
