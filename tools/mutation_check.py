@@ -356,6 +356,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_penalties_and_stops.py::test_a_prompt_whose_every_block_is_cached_still_computes_its_last_token",),
         "new",
     ),
+    Mutation(
+        "gpu-token-tables-not-counted",
+        "The GPU sampler's device token tables never count the sampled tokens (penalties see the prompt only)",
+        (Edit("fdlite/sample/sampler_gpu.py",
+              "            self.tables.count(batch.penalty_slots, ids[batch.penalty_rows])\n",
+              "            pass  # MUTATION\n"),),
+        ("tests/test_gpu_path_cpu.py::test_emulated_gpu_sampler_applies_penalties_and_bans_on_the_device",),
+        "new",
+    ),
+    Mutation(
+        "gpu-bans-beat-a-complete-grammar",
+        "On the GPU path min_tokens bans empty a constrained row whose grammar allows only EOS",
+        (Edit("fdlite/sample/sampler_gpu.py",
+              "        if not len(np.setdiff1d(allowed, tokens[mine])):\n",
+              "        if False:  # MUTATION\n"),),
+        ("tests/test_gpu_path_cpu.py::test_emulated_gpu_sampler_applies_grammar_masks_on_the_device",),
+        "new",
+    ),
     # ---- a newcomer's first run and the repository's hygiene ----------------------------------------------
     Mutation(
         "sampling-params-bare-typeerror",
