@@ -176,6 +176,10 @@ class LLM:
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:
             return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+        for name, tokens in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = next((t for t in tokens if t >= vocab), None)
+            if bad is not None:
+                return f"{name}: token id {bad} is outside the vocabulary [0, {vocab})"
         return self.engine.structured.problem(params)
 
     def generate(

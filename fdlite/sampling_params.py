@@ -172,6 +172,10 @@ class SamplingParams:
     ignore_eos: bool = _opt(False, "Keep generating after the end-of-sequence token.")
     max_tokens: int | None = _opt(16, "Maximum number of tokens to generate; None = up to max_model_len.")
     min_tokens: int = _opt(0, "Minimum number of tokens before EOS or stop_token_ids may be sampled.")
+    logit_bias: dict[int, float] | None = _opt(
+        None, "Token id -> bias added to its logit before sampling (OpenAI's and vLLM's logit_bias); in [-100, 100].")
+    allowed_token_ids: list[int] | None = _opt(
+        None, "Sample only from these token ids (vLLM's allowed_token_ids); every other token is masked.")
     logprobs: int | None = _opt(
         None, "Number of top log-probabilities to return per generated token (plus the sampled one)."
     )
@@ -200,6 +204,11 @@ class SamplingParams:
             self.seed = _int("seed", self.seed)
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise _fail("allowed_token_ids", "a non-empty list of token ids", self.allowed_token_ids)
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens, minimum=1)
@@ -355,13 +364,30 @@ def _stop_strings(value: Any) -> list[str]:
 
 
 def _stop_token_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
+    return [] if value is None else _token_ids("stop_token_ids", value)
+
+
+def _token_ids(name: str, value: Any) -> list[int]:
     if not isinstance(value, (list, tuple)):
-        raise _fail("stop_token_ids", "a list of int", value)
+        raise _fail(name, "a list of int", value)
     out = []
     for t in value:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
-            raise _fail("stop_token_ids", "ints >= 0", t)
+            raise _fail(name, "ints >= 0", t)
         out.append(int(t))
     return out
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """{token id: bias}; keys may be digit strings (OpenAI's JSON bodies), values in [-100, 100]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _fail("logit_bias", "a mapping of token id to bias", value)
+    out = {}
+    for k, v in value.items():
+        key = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+        if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
+            raise _fail("logit_bias", "token ids >= 0 as keys", k)
+        out[int(key)] = _float(f"logit_bias[{k}]", v, lo=-100.0, hi=100.0)
+    return out or None

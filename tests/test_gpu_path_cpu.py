@@ -185,6 +185,19 @@ def test_emulated_gpu_sampler_applies_penalties_and_bans_on_the_device(model_dir
     assert calls["gather_rows"] > calls["lm_head_logits"] + calls["embedding"] and calls["copy_from_host"] == 0
 
 
+def test_emulated_gpu_sampler_applies_logit_bias_and_allowed_ids_on_the_device(model_dirs, monkeypatch):
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={7: 3.0, 40: -100.0}),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[3, 9, 27, 81]),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    ps = prompts(3, seed=6)
+    want = LLM(model_dirs["qwen2"], device="cpu", **COMMON).generate(ps, params, use_tqdm=False)
+    calls = _emulate_gpu(monkeypatch)
+    got = LLM(model_dirs["qwen2"], **COMMON).generate(ps, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert set(want[1].outputs[0].token_ids) <= {3, 9, 27, 81}
+    assert calls["scatter_"] > 0 and calls["apply_bitmask_"] > 0 and calls["copy_from_host"] == 0
+
+
 def test_emulated_gpu_seeded_sampling_follows_the_kernel_rule(model_dirs, monkeypatch):
     """Seeded sampling on the GPU path draws with the kernel's rule (sampling_ref) from (seed, position):
     the same tokens whatever else shares the batch."""

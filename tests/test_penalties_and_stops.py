@@ -104,3 +104,52 @@ def test_a_prompt_whose_every_block_is_cached_still_computes_its_last_token(qwen
     assert again[0].outputs[0].token_ids == want
     # The first block comes from the cache; the second holds the last token, whose logits pick the next one.
     assert st["prefix_cache_hit_tokens"] == 16 and st["prefill_tokens_computed"] == 16
+
+
+@torch.no_grad()
+def biased_greedy(model, prompt: list[int], max_new: int, bias: dict[int, float] | None = None,
+                  allowed: list[int] | None = None) -> list[int]:
+    """Greedy decoding of transformers' fp32 logits with logit_bias added and only `allowed` tokens kept."""
+    ids, out = list(prompt), []
+    for _ in range(max_new):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        for t, b in (bias or {}).items():
+            logits[t] += b
+        if allowed is not None:
+            keep = torch.full_like(logits, float("-inf"))
+            keep[allowed] = logits[allowed]
+            logits = keep
+        token = int(logits.argmax())
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+def test_logit_bias_and_allowed_token_ids_match_a_reference(qwen3):
+    llm, ref = qwen3
+    bias = {7: 4.0, 11: -100.0, 300: 2.5}
+    allowed = [5, 9, 40, 41, 42, 500]
+    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logit_bias=bias),
+              SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, allowed_token_ids=allowed),
+              SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == biased_greedy(ref, PROMPTS[0], MAX_NEW, bias=bias)
+    assert outs[1].outputs[0].token_ids == biased_greedy(ref, PROMPTS[1], MAX_NEW, allowed=allowed)
+    assert set(outs[1].outputs[0].token_ids) <= set(allowed)
+    assert outs[2].outputs[0].token_ids == biased_greedy(ref, PROMPTS[2], MAX_NEW)  # its neighbours' rules stay theirs
+    forced = llm.generate([{"prompt_token_ids": PROMPTS[3]}], SamplingParams(
+        temperature=1.0, seed=1, max_tokens=MAX_NEW, ignore_eos=True, logit_bias={"123": 100}), use_tqdm=False)
+    assert forced[0].outputs[0].token_ids == [123] * MAX_NEW  # OpenAI's string keys; +100 decides
+
+
+def test_bad_logit_bias_and_allowed_ids(qwen3):
+    llm, _ = qwen3
+    with pytest.raises(ValueError, match=r"logit_bias\[5\] must be <= 100"):
+        SamplingParams(logit_bias={5: 101})
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2,
+                        [SamplingParams(max_tokens=2, allowed_token_ids=[10**7]), SamplingParams(max_tokens=2)],
+                        use_tqdm=False)
+    assert "allowed_token_ids: token id 10000000 is outside the vocabulary" in outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2

@@ -374,6 +374,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_gpu_path_cpu.py::test_emulated_gpu_sampler_applies_grammar_masks_on_the_device",),
         "new",
     ),
+    Mutation(
+        "logit-bias-ignored",
+        "logit_bias never reaches the logits (CPU sampler)",
+        (Edit("fdlite/sample/sampler.py",
+              "        np.add.at(x, (batch.bias_rows, batch.bias_tokens), batch.bias_values)\n",
+              "        pass  # MUTATION\n"),),
+        ("tests/test_penalties_and_stops.py::test_logit_bias_and_allowed_token_ids_match_a_reference",),
+        "new",
+    ),
+    Mutation(
+        "gpu-allowed-ids-ignored",
+        "On the GPU path allowed_token_ids masks nothing",
+        (Edit("fdlite/sample/sampler_gpu.py",
+              "        if batch.allowed_rows is not None:\n            gpu_ops.apply_bitmask_",
+              "        if False:  # MUTATION\n            gpu_ops.apply_bitmask_"),),
+        ("tests/test_gpu_path_cpu.py::test_emulated_gpu_sampler_applies_logit_bias_and_allowed_ids_on_the_device",),
+        "new",
+    ),
     # ---- a newcomer's first run and the repository's hygiene ----------------------------------------------
     Mutation(
         "sampling-params-bare-typeerror",

@@ -30,7 +30,7 @@ URLS = (CHAT_URL, COMPLETIONS_URL)
 _LINE_KEYS = ("custom_id", "method", "url", "body")
 
 # Body fields that map one to one onto SamplingParams.
-_SAMPLING_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "frequency_penalty", "presence_penalty")
+_SAMPLING_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias")
 # Accepted and without effect on what runs: fdlite serves one model and writes files, it does not stream.
 _IGNORED_FIELDS = ("model", "user")
 _COMMON_FIELDS = _SAMPLING_FIELDS + _IGNORED_FIELDS + ("max_tokens", "stream", "response_format")

@@ -155,6 +155,11 @@ class InputBatch:
         self.has_stop_ids = np.zeros(n, bool)
         self.watch_text = np.zeros(n, bool)
         self.has_grammar = np.zeros(n, bool)  # structured outputs: the row's sequence has a matcher
+        # logit_bias and allowed_token_ids per slot: (token ids, biases), and the allowed tokens' bitmask row.
+        self.has_bias = np.zeros(n, bool)
+        self.bias_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.has_allowed = np.zeros(n, bool)
+        self.allowed_of: dict[int, np.ndarray] = {}
 
     @property
     def num_running(self) -> int:
@@ -188,6 +193,14 @@ class InputBatch:
         self.has_stop_ids[slot] = bool(p.stop_token_ids)
         self.watch_text[slot] = seq.detokenizer is not None  # fed every token (stop strings)
         self.has_grammar[slot] = seq.grammar is not None
+        self.has_bias[slot] = p.logit_bias is not None
+        if p.logit_bias is not None:
+            self.bias_of[slot] = (np.fromiter(p.logit_bias, np.int64), np.fromiter(p.logit_bias.values(), np.float32))
+        self.has_allowed[slot] = p.allowed_token_ids is not None
+        if p.allowed_token_ids is not None:
+            bits = np.zeros(-(-self.vocab_size // 32) * 32, bool)
+            bits[p.allowed_token_ids] = True
+            self.allowed_of[slot] = np.packbits(bits, bitorder="little").view(np.int32)
         self.has_penalties[slot] = p.has_penalties
         if p.has_penalties:
             self.repetition_penalty[slot] = p.repetition_penalty
@@ -272,6 +285,16 @@ class InputBatch:
                 self.seqs[slots[i]].params, int(num_output[i]), self.eos_token_ids, self.vocab_size)]
             if pairs:
                 batch.banned_rows, batch.banned_tokens = (np.asarray(a, np.int64) for a in zip(*pairs))
+        biased = np.nonzero(self.has_bias[slots])[0]
+        if len(biased):
+            parts = [self.bias_of[s] for s in slots[biased].tolist()]
+            batch.bias_rows = np.repeat(biased, [len(t) for t, _ in parts])
+            batch.bias_tokens = np.concatenate([t for t, _ in parts])
+            batch.bias_values = np.concatenate([v for _, v in parts])
+        allowed = np.nonzero(self.has_allowed[slots])[0]
+        if len(allowed):
+            batch.allowed_rows = allowed
+            batch.allowed_bitmask = np.stack([self.allowed_of[s] for s in slots[allowed].tolist()])
         constrained = np.nonzero(self.has_grammar[slots])[0]
         if len(constrained):
             batch.grammar_rows = constrained

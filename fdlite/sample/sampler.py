@@ -73,6 +73,14 @@ class SamplingBatch:
     # device tables start from these. `num_slots`: rows of the device tables.
     penalty_resets: list = field(default_factory=list)
     num_slots: int = 0
+    # logit_bias: (rows, token ids, biases) added to the logits (None when no row has any).
+    bias_rows: np.ndarray | None = None
+    bias_tokens: np.ndarray | None = None
+    bias_values: np.ndarray | None = None
+    # allowed_token_ids: rows that may only sample their allowed tokens, and those as a bitmask
+    # [A, ceil(vocab / 32)] int32 (the grammar bitmask's layout).
+    allowed_rows: np.ndarray | None = None
+    allowed_bitmask: np.ndarray | None = None
     # Structured outputs, for the rows `grammar_rows` only (None when no row is constrained): the rows'
     # matchers (filled into a bitmask by the runner) and that bitmask, [G, ceil(vocab / 32)] int32.
     grammar_rows: np.ndarray | None = None
@@ -169,13 +177,19 @@ class Sampler:
 
 
 def adjust_logits(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
-    """Steps (b), (c) and (c') on a copy of the logits: penalties, the grammar mask, min_tokens bans."""
+    """Steps (b), (c) and (c') on a copy of the logits: penalties, logit_bias, allowed_token_ids, the grammar
+    mask, min_tokens bans."""
     grammar = batch.grammar_bitmask is not None and len(batch.grammar_rows)
-    if not len(batch.banned_rows) and batch.penalty_rows is None and not grammar:
+    if (not len(batch.banned_rows) and batch.penalty_rows is None and not grammar and batch.bias_rows is None
+            and batch.allowed_rows is None):
         return x
     x = x.copy()
     if batch.penalty_rows is not None:
         x[batch.penalty_rows] = apply_penalties(x[batch.penalty_rows], batch)
+    if batch.bias_rows is not None:
+        np.add.at(x, (batch.bias_rows, batch.bias_tokens), batch.bias_values)
+    if batch.allowed_rows is not None:
+        apply_token_bitmask(x, batch.allowed_bitmask, batch.allowed_rows)
     if grammar:
         rows = batch.grammar_rows
         apply_token_bitmask(x, batch.grammar_bitmask, rows)

@@ -11,7 +11,8 @@ repetition / frequency / presence penalties from per-slot token tables kept on t
 (`DeviceTokenTables`: output counts and prompt marks, reset from the prompt and outputs when a slot is
 taken, counted up from the sampled ids after each draw); the grammar bitmask of constrained rows
 (computed on the host by llguidance beside the forward, uploaded for those rows only); min_tokens bans as
-sparse (row, token) writes. What crosses to the host per step: the sampled ids, and the raw logits of the
+sparse (row, token) writes; logit_bias as sparse adds and allowed_token_ids as a bitmask, by the same
+kernels. What crosses to the host per step: the sampled ids, and the raw logits of the
 rows that ask for logprobs (log-softmax and top-k on the host, for now).
 """
 
@@ -92,7 +93,8 @@ class GpuSampler:
         return _output(raw, ids, batch, rows_asking_only=True)
 
     def _adjust(self, logits: paddle.Tensor, batch: SamplingBatch) -> None:
-        """Penalties, the grammar mask, then min_tokens bans (the CPU sampler's order), in place on the device."""
+        """Penalties, logit_bias, allowed_token_ids, the grammar mask, then min_tokens bans (the CPU sampler's
+        order), in place on the device."""
         if batch.penalty_resets:
             if self.tables is None:
                 self.tables = DeviceTokenTables(batch.num_slots, logits.shape[1])
@@ -103,6 +105,11 @@ class GpuSampler:
                                      _upload(batch.repetition_penalty, np.float32),
                                      _upload(batch.frequency_penalty, np.float32),
                                      _upload(batch.presence_penalty, np.float32))
+        if batch.bias_rows is not None:
+            gpu_ops.scatter_(logits, _upload(batch.bias_rows, np.int64), _upload(batch.bias_tokens, np.int64),
+                             _upload(batch.bias_values, np.float32), add=True)
+        if batch.allowed_rows is not None:
+            gpu_ops.apply_bitmask_(logits, _upload(batch.allowed_rows, np.int64), _upload(batch.allowed_bitmask, np.int32))
         grammar = batch.grammar_bitmask is not None and batch.grammar_rows is not None and len(batch.grammar_rows)
         banned_rows, banned_tokens = batch.banned_rows, batch.banned_tokens
         if grammar:
