@@ -28,6 +28,7 @@ _KINDS = {
     "str | list[str]": "str_list",
     "GraphOptimizationConfig": "json",
     "StructuredOutputsParams": "json",
+    "dict[int, float]": "json",
 }
 
 
