@@ -622,6 +622,8 @@ def section_sampling():
         "frequency_penalty=0.5": dict(temperature=0.6, frequency_penalty=0.5),
         "min_tokens=64 (EOS banned until then)": dict(temperature=0.6, min_tokens=64, ignore_eos=False),
         "logprobs=5": dict(temperature=0.6, logprobs=5),
+        "logit_bias (10 tokens)": dict(temperature=0.6, logit_bias={t: 2.0 for t in range(1000, 1010)}),
+        "allowed_token_ids (1,000 tokens)": dict(temperature=0.6, allowed_token_ids=list(range(5000, 6000))),
     }
 
     def bench(kw):
@@ -634,7 +636,10 @@ def section_sampling():
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             s = time.time() - t
             n = sum(len(o.outputs[0].token_ids) for o in outs)
-            return {"output_tokens": n, "generate_s": round(s, 2), "output_tokens_per_s": round(n / s, 1)}
+            res = {"output_tokens": n, "generate_s": round(s, 2), "output_tokens_per_s": round(n / s, 1)}
+            if "allowed_token_ids" in kw:  # the mask really held
+                res["all_tokens_allowed"] = all(set(o.outputs[0].token_ids) <= set(kw["allowed_token_ids"]) for o in outs)
+            return res
         return f
 
     run("startup", startup)
@@ -645,6 +650,12 @@ def section_sampling():
     for name, kw in cases.items():
         if not wanted or any(w in name for w in wanted):
             run(name, bench(kw))
+    if not wanted or "forced" in wanted:  # logit_bias +100 on one token decides every draw
+        def forced():
+            outs = state["llm"].generate([{"prompt_token_ids": p} for p in prompts[:8]], SamplingParams(
+                temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, logit_bias={4242: 100.0}), use_tqdm=False)
+            return {"pass": all(o.outputs[0].token_ids == [4242] * 16 for o in outs)}
+        run("forced by logit_bias +100", forced)
     plain = RES["results"].get("temperature=0.6", {}).get("output_tokens_per_s")
     if plain:
         RES["results"]["share_of_plain"] = {k: round(v["output_tokens_per_s"] / plain, 3)
