@@ -108,6 +108,7 @@ class LLM:
         self.parallel = self.runner.parallel
         self.engine = Engine(self.config, self.runner, num_blocks, eos, self.tokenizer)
         self._rng = np.random.default_rng(self.config.seed)
+        self._bad_words_cache: dict[tuple[str, ...], list[list[int]]] = {}
         self.startup_report: dict[str, Any] = {f"{k}_s": v for k, v in self.phases.durations.items()}
         self.startup_report.update(
             total_block_num=num_blocks, kv_token_capacity=num_blocks * self.config.block_size,
@@ -176,6 +177,8 @@ class LLM:
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:
             return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+        if params.bad_words and self.tokenizer is None:
+            return "bad_words need a tokenizer; this LLM was built with skip_tokenizer_init=True"
         for name, tokens in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = next((t for t in tokens if t >= vocab), None)
             if bad is not None:
@@ -282,7 +285,20 @@ class LLM:
         return Sequence(request_index=index, child_index=child, prompt_token_ids=ids, params=params,
                         seed=sequence_seed(params.seed, child, self._rng),
                         detokenizer=self.engine.outputs.new_detokenizer(ids, params),
-                        grammar=self.engine.structured.new_matcher(params))
+                        grammar=self.engine.structured.new_matcher(params),
+                        bad_words_token_ids=self._bad_words_token_ids(params))
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """Each bad word's token ids, as written and with a leading space (vLLM's two variants), once per params."""
+        if not params.bad_words:
+            return None
+        key = tuple(params.bad_words)
+        cached = self._bad_words_cache.get(key)
+        if cached is None:
+            variants = {tuple(self.tokenizer.encode(prefix + w.lstrip(), add_special_tokens=False))
+                        for w in params.bad_words for prefix in ("", " ")}
+            cached = self._bad_words_cache[key] = [list(v) for v in sorted(variants) if v]
+        return cached
 
     def _fail(self, out: RequestOutput, problem: str) -> None:
         logger.warning("request %s failed: %s", out.request_id, problem)

@@ -176,6 +176,9 @@ class SamplingParams:
         None, "Token id -> bias added to its logit before sampling (OpenAI's and vLLM's logit_bias); in [-100, 100].")
     allowed_token_ids: list[int] | None = _opt(
         None, "Sample only from these token ids (vLLM's allowed_token_ids); every other token is masked.")
+    bad_words: list[str] | None = _opt(
+        None, "Words never to generate (vLLM's bad_words): the last token of each word, with or without a leading "
+        "space, is banned whenever the output ends with the tokens before it.")
     logprobs: int | None = _opt(
         None, "Number of top log-probabilities to return per generated token (plus the sampled one)."
     )
@@ -205,6 +208,13 @@ class SamplingParams:
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip()
+                                                                          for w in self.bad_words):
+                raise _fail("bad_words", "a list of non-empty strings", self.bad_words)
+            self.bad_words = list(self.bad_words) or None
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:

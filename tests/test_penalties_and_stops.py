@@ -153,3 +153,49 @@ def test_bad_logit_bias_and_allowed_ids(qwen3):
                         use_tqdm=False)
     assert "allowed_token_ids: token id 10000000 is outside the vocabulary" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer():
+    return LLM(max_num_seqs=4, max_model_len=128)  # the built-in model: random weights, the real tokenizer
+
+
+def _round_trips(tok, ids: list[int]) -> str | None:
+    """The text of `ids` when it encodes back to exactly them (and is a plain word), else None."""
+    text = tok.decode(ids)
+    ok = text.strip().isalpha() and tok.encode(text, add_special_tokens=False) == ids
+    return text if ok else None
+
+
+def test_bad_words_are_never_generated(with_tokenizer):
+    llm = with_tokenizer
+    tok = llm.get_tokenizer()
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    free = llm.generate(["Once upon a time"], SamplingParams(**params), use_tqdm=False)[0].outputs[0].token_ids
+    # One token, banned wherever it would come: the greedy output then never holds it.
+    i, word = next((i, w) for i, t in enumerate(free) if (w := _round_trips(tok, [t])) is not None)
+    out = llm.generate(["Once upon a time"], SamplingParams(bad_words=[word], **params), use_tqdm=False)[0]
+    assert free[i] not in out.outputs[0].token_ids and out.outputs[0].token_ids[:i] == free[:i]
+    # Two tokens a, b: b is banned right after a, and only there (vLLM's rule, on the output). Sampling among
+    # a and b alone (allowed_token_ids), a seed whose free output has "a b" somewhere never has it with the ban.
+    word = next(w for w in ("Hello world", "zebra", "pineapple") if len(tok.encode(w, add_special_tokens=False)) == 2)
+    a, b = tok.encode(word, add_special_tokens=False)
+
+    def has_pair(ids):
+        return any(x == a and y == b for x, y in zip(ids, ids[1:]))
+
+    sampled = dict(temperature=1.0, max_tokens=24, ignore_eos=True, allowed_token_ids=[a, b])
+    seed = next(s for s in range(50) if has_pair(llm.generate(["Once upon a time"], SamplingParams(
+        seed=s, **sampled), use_tqdm=False)[0].outputs[0].token_ids))
+    got = llm.generate(["Once upon a time"], SamplingParams(seed=seed, bad_words=[word], **sampled),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert not has_pair(got) and a in got[:-1]  # a still comes; b just never right after it
+
+
+def test_bad_words_need_a_tokenizer(qwen3):
+    llm, _ = qwen3
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2, bad_words=["x"]),
+                       use_tqdm=False)[0]
+    assert "bad_words need a tokenizer" in out.error
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[""])

@@ -392,6 +392,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_gpu_path_cpu.py::test_emulated_gpu_sampler_applies_logit_bias_and_allowed_ids_on_the_device",),
         "new",
     ),
+    Mutation(
+        "bad-words-ignored",
+        "bad_words ban nothing",
+        (Edit("fdlite/runner/input_batch.py",
+              "            pairs += [(i, t) for t in self._bad_words_due(int(slots[i]), int(num_output[i]))]\n",
+              "            pass  # MUTATION\n"),),
+        ("tests/test_penalties_and_stops.py::test_bad_words_are_never_generated",),
+        "new",
+    ),
+    Mutation(
+        "bad-words-single-token-only",
+        "A bad word of several tokens is never banned (only one-token words are)",
+        (Edit("fdlite/runner/input_batch.py",
+              "            if k == 0 or (k <= num_output and",
+              "            if k == 0 or (False and"),),
+        ("tests/test_penalties_and_stops.py::test_bad_words_are_never_generated",),
+        "new",
+    ),
     # ---- a newcomer's first run and the repository's hygiene ----------------------------------------------
     Mutation(
         "sampling-params-bare-typeerror",

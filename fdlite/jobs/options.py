@@ -26,6 +26,7 @@ _KINDS = {
     "str": "str",
     "list[int]": "int_list",
     "str | list[str]": "str_list",
+    "list[str]": "str_list",
     "GraphOptimizationConfig": "json",
     "StructuredOutputsParams": "json",
     "dict[int, float]": "json",

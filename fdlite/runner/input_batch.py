@@ -160,6 +160,7 @@ class InputBatch:
         self.bias_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.has_allowed = np.zeros(n, bool)
         self.allowed_of: dict[int, np.ndarray] = {}
+        self.has_bad_words = np.zeros(n, bool)  # the sequence's bad_words_token_ids (`Sequence`) are checked
 
     @property
     def num_running(self) -> int:
@@ -196,6 +197,7 @@ class InputBatch:
         self.has_bias[slot] = p.logit_bias is not None
         if p.logit_bias is not None:
             self.bias_of[slot] = (np.fromiter(p.logit_bias, np.int64), np.fromiter(p.logit_bias.values(), np.float32))
+        self.has_bad_words[slot] = bool(seq.bad_words_token_ids)
         self.has_allowed[slot] = p.allowed_token_ids is not None
         if p.allowed_token_ids is not None:
             bits = np.zeros(-(-self.vocab_size // 32) * 32, bool)
@@ -283,8 +285,12 @@ class InputBatch:
         if len(short):
             pairs = [(i, t) for i in short.tolist() for t in stop_tokens_while_short(
                 self.seqs[slots[i]].params, int(num_output[i]), self.eos_token_ids, self.vocab_size)]
-            if pairs:
-                batch.banned_rows, batch.banned_tokens = (np.asarray(a, np.int64) for a in zip(*pairs))
+        else:
+            pairs = []
+        for i in np.nonzero(self.has_bad_words[slots])[0].tolist():
+            pairs += [(i, t) for t in self._bad_words_due(int(slots[i]), int(num_output[i]))]
+        if pairs:
+            batch.banned_rows, batch.banned_tokens = (np.asarray(a, np.int64) for a in zip(*pairs))
         biased = np.nonzero(self.has_bias[slots])[0]
         if len(biased):
             parts = [self.bias_of[s] for s in slots[biased].tolist()]
@@ -314,6 +320,16 @@ class InputBatch:
             batch.penalty_resets, self._penalty_resets = self._penalty_resets, []
             batch.num_slots = len(self.seqs)
         return batch
+
+    def _bad_words_due(self, slot: int, num_output: int) -> list[int]:
+        """The last token of each bad word whose other tokens end the slot's output (vLLM's rule: output only)."""
+        end = int(self.num_tokens[slot])
+        out = []
+        for word in self.seqs[slot].bad_words_token_ids:
+            k = len(word) - 1
+            if k == 0 or (k <= num_output and self.token_ids[slot, end - k : end].tolist() == word[:-1]):
+                out.append(word[-1])
+        return out
 
     def write_tokens(self, step: StepInputs, tokens: np.ndarray) -> np.ndarray:
         """The step's sampled tokens into their reserved positions (and penalty counts); returns the

@@ -42,6 +42,7 @@ class Sequence:
     seed: int  # 64-bit: the sampler's uniforms are a function of (seed, position) (fdlite/sample/random.py)
     detokenizer: object | None = None  # IncrementalDetokenizer, only for sequences with stop strings
     grammar: object | None = None  # llguidance matcher, only for structured outputs (structured/matcher.py)
+    bad_words_token_ids: list[list[int]] | None = None  # params.bad_words tokenized (each with and without a space)
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens scheduled to be sampled whose values have not come back yet (vLLM's
