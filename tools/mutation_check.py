@@ -366,12 +366,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
-        "gpu-bans-beat-a-complete-grammar",
-        "On the GPU path min_tokens bans empty a constrained row whose grammar allows only EOS",
-        (Edit("fdlite/sample/sampler_gpu.py",
-              "        if not len(np.setdiff1d(allowed, tokens[mine])):\n",
+        "bans-beat-a-complete-grammar",
+        "min_tokens bans empty a constrained row whose grammar allows only EOS (CPU and GPU samplers)",
+        (Edit("fdlite/sample/sampler.py",
+              "        if not left.any():\n",
               "        if False:  # MUTATION\n"),),
-        ("tests/test_gpu_path_cpu.py::test_emulated_gpu_sampler_applies_grammar_masks_on_the_device",),
+        ("tests/test_structured_outputs.py::test_min_tokens_does_not_break_a_complete_grammar",
+         "tests/test_gpu_path_cpu.py::test_emulated_gpu_sampler_applies_grammar_masks_on_the_device"),
         "new",
     ),
     Mutation(

@@ -191,25 +191,46 @@ def adjust_logits(x: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     if batch.allowed_rows is not None:
         apply_token_bitmask(x, batch.allowed_bitmask, batch.allowed_rows)
     if grammar:
-        rows = batch.grammar_rows
-        apply_token_bitmask(x, batch.grammar_bitmask, rows)
+        apply_token_bitmask(x, batch.grammar_bitmask, batch.grammar_rows)
     if len(batch.banned_rows):
-        if grammar:  # rows where a ban meets a grammar: keep their masked logits in case the ban empties them
-            both = np.intersect1d(rows, batch.banned_rows)
-            kept = x[both]
-        x[batch.banned_rows, batch.banned_tokens] = _NEG_INF
-        if grammar and len(both):
-            # A grammar that allows only stop tokens (its output is complete) beats min_tokens.
-            dead = np.isneginf(x[both].max(axis=1))
-            x[both[dead]] = kept[dead]
+        banned_rows, banned_tokens = bans_a_grammar_leaves(batch, x.shape[1])
+        x[banned_rows, banned_tokens] = _NEG_INF
     return x
+
+
+def bans_a_grammar_leaves(batch: SamplingBatch, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The bans (min_tokens, bad_words) without those of a constrained row whose grammar (with its
+    allowed_token_ids) allows no token they leave: a complete grammar beats min_tokens. Read from the
+    bitmasks on the host, so both samplers decide it the same way before banning."""
+    rows, tokens = batch.banned_rows, batch.banned_tokens
+    if batch.grammar_bitmask is None or batch.grammar_rows is None or not len(rows):
+        return rows, tokens
+    grammar_of = {r: i for i, r in enumerate(batch.grammar_rows.tolist())}
+    allowed_of = {} if batch.allowed_rows is None else {r: i for i, r in enumerate(batch.allowed_rows.tolist())}
+    keep = np.ones(len(rows), bool)
+    for r in np.unique(rows).tolist():
+        if r not in grammar_of:
+            continue
+        left = _unpack_bitmask(batch.grammar_bitmask[grammar_of[r] : grammar_of[r] + 1], vocab)[0]
+        if r in allowed_of:
+            left &= _unpack_bitmask(batch.allowed_bitmask[allowed_of[r] : allowed_of[r] + 1], vocab)[0]
+        mine = rows == r
+        left[tokens[mine]] = False
+        if not left.any():
+            keep &= ~mine
+    return rows[keep], tokens[keep]
+
+
+def _unpack_bitmask(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """[G, ceil(vocab / 32)] int32 -> [G, vocab] bool (bit j of word i: token 32 i + j)."""
+    return np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, count=vocab,
+                         bitorder="little").view(bool)
 
 
 def apply_token_bitmask(x: np.ndarray, bitmask: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
     """Set every token whose bit is 0 in `bitmask` [G, ceil(vocab / 32)] int32 to -inf in rows `rows` of `x`
     (all rows when None), in place; bit j of word i is token 32 i + j (llguidance's and vLLM's layout)."""
-    allowed = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, count=x.shape[1],
-                            bitorder="little").view(bool)
+    allowed = _unpack_bitmask(bitmask, x.shape[1])
     if rows is None:
         np.copyto(x, _NEG_INF, where=~allowed)
         return x

@@ -23,9 +23,7 @@ import paddle
 
 from fdlite.kernels import gpu as gpu_ops
 from fdlite.kernels.device_tensors import to_numpy_f32
-from fdlite.sample.sampler import SamplerOutput, SamplingBatch, _output
-
-_NEG_INF = float("-inf")
+from fdlite.sample.sampler import _NEG_INF, SamplerOutput, SamplingBatch, _output, bans_a_grammar_leaves
 
 
 def _upload(a, dtype) -> paddle.Tensor:
@@ -110,29 +108,10 @@ class GpuSampler:
                              _upload(batch.bias_values, np.float32), add=True)
         if batch.allowed_rows is not None:
             gpu_ops.apply_bitmask_(logits, _upload(batch.allowed_rows, np.int64), _upload(batch.allowed_bitmask, np.int32))
-        grammar = batch.grammar_bitmask is not None and batch.grammar_rows is not None and len(batch.grammar_rows)
-        banned_rows, banned_tokens = batch.banned_rows, batch.banned_tokens
-        if grammar:
+        if batch.grammar_bitmask is not None and batch.grammar_rows is not None and len(batch.grammar_rows):
             gpu_ops.apply_bitmask_(logits, _upload(batch.grammar_rows, np.int64), _upload(batch.grammar_bitmask, np.int32))
-            if len(banned_rows):
-                banned_rows, banned_tokens = _bans_a_grammar_leaves(batch, logits.shape[1])
+        banned_rows, banned_tokens = bans_a_grammar_leaves(batch, logits.shape[1])
         if len(banned_rows):
             gpu_ops.scatter_(logits, _upload(banned_rows, np.int64), _upload(banned_tokens, np.int64),
                              _upload(np.full(len(banned_rows), _NEG_INF), np.float32))
 
-
-def _bans_a_grammar_leaves(batch: SamplingBatch, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """The min_tokens bans without those of a constrained row whose grammar allows nothing else (its output is
-    complete: the grammar beats min_tokens, as on the CPU), read from the bitmask on the host."""
-    rows, tokens = batch.banned_rows, batch.banned_tokens
-    keep = np.ones(len(rows), bool)
-    where = {r: i for i, r in enumerate(batch.grammar_rows.tolist())}
-    for r in np.unique(rows).tolist():
-        if r not in where:
-            continue
-        words = batch.grammar_bitmask[where[r]].view(np.uint32)
-        allowed = np.nonzero(np.unpackbits(words.view(np.uint8), count=vocab, bitorder="little"))[0]
-        mine = rows == r
-        if not len(np.setdiff1d(allowed, tokens[mine])):
-            keep &= ~mine
-    return rows[keep], tokens[keep]
