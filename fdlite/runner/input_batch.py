@@ -32,6 +32,7 @@ from fdlite.layers.forward_meta import FlatBatch, PrefillSpan
 from fdlite.sample.sampler import SamplingBatch, stop_tokens_while_short, token_counts
 from fdlite.runner.sequence import Sequence
 from fdlite.runner.stop_checker import stop_candidates
+from fdlite.structured.matcher import bitmask_width
 
 
 _first, _second, _computed_of = itemgetter(0), itemgetter(1), attrgetter("num_computed_tokens")
@@ -200,7 +201,7 @@ class InputBatch:
         self.has_bad_words[slot] = bool(seq.bad_words_token_ids)
         self.has_allowed[slot] = p.allowed_token_ids is not None
         if p.allowed_token_ids is not None:
-            bits = np.zeros(-(-self.vocab_size // 32) * 32, bool)
+            bits = np.zeros(bitmask_width(self.vocab_size) * 32, bool)
             bits[p.allowed_token_ids] = True
             self.allowed_of[slot] = np.packbits(bits, bitorder="little").view(np.int32)
         self.has_penalties[slot] = p.has_penalties
@@ -208,14 +209,14 @@ class InputBatch:
             self.repetition_penalty[slot] = p.repetition_penalty
             self.frequency_penalty[slot] = p.frequency_penalty
             self.presence_penalty[slot] = p.presence_penalty
-            if not self.host_penalty_tables:
+            if not self.host_penalty_tables:  # the GPU sampler's device tables start this slot over
                 self._penalty_resets.append((slot, seq.prompt_token_ids, list(seq.output_token_ids)))
-                return
-            if self.output_counts is None:
-                self.output_counts = np.zeros((len(self.seqs), self.vocab_size), np.float32)
-                self.prompt_seen = np.zeros((len(self.seqs), self.vocab_size), bool)
-            self.output_counts[slot] = token_counts(seq.output_token_ids, self.vocab_size)
-            self.prompt_seen[slot] = token_counts(seq.prompt_token_ids, self.vocab_size) > 0
+            else:
+                if self.output_counts is None:
+                    self.output_counts = np.zeros((len(self.seqs), self.vocab_size), np.float32)
+                    self.prompt_seen = np.zeros((len(self.seqs), self.vocab_size), bool)
+                self.output_counts[slot] = token_counts(seq.output_token_ids, self.vocab_size)
+                self.prompt_seen[slot] = token_counts(seq.prompt_token_ids, self.vocab_size) > 0
 
     def remove(self, seq: Sequence) -> None:
         """Free `seq`'s slot (finished or preempted), if it holds one; its row is rewritten by the next joiner."""
