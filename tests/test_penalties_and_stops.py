@@ -14,10 +14,11 @@ PROMPTS = [[5, 9, 13, 17, 21, 9, 9], [100, 7, 3, 3, 3, 7], [42] * 9, list(range(
 
 
 @torch.no_grad()
-def penalized_greedy(model, prompt: list[int], max_new: int, repetition=1.0, presence=0.0, frequency=0.0,
-                     repeat_prompt=True):
-    """Greedy decoding with the penalties applied to transformers' fp32 logits, one token at a time.
-    `repeat_prompt=False`: the repetition penalty counts output tokens only (to show a test tells them apart)."""
+def reference_greedy(model, prompt: list[int], max_new: int, repetition=1.0, presence=0.0, frequency=0.0,
+                     repeat_prompt=True, bias: dict[int, float] | None = None, allowed: list[int] | None = None):
+    """Greedy decoding of transformers' fp32 logits, one token at a time, with fdlite's logits processors in its
+    order written independently: penalties, logit_bias, allowed_token_ids. `repeat_prompt=False`: the
+    repetition penalty counts output tokens only (to show a test tells them apart)."""
     ids, out = list(prompt), []
     repeat = RepetitionPenaltyLogitsProcessor(repetition)  # prompt and output tokens, as vLLM
     for _ in range(max_new):
@@ -28,6 +29,12 @@ def penalized_greedy(model, prompt: list[int], max_new: int, repetition=1.0, pre
         if out:  # OpenAI's rule: output tokens only
             counts = torch.bincount(torch.tensor(out), minlength=logits.shape[-1]).float()
             logits[0] -= frequency * counts + presence * (counts > 0).float()
+        for t, b in (bias or {}).items():
+            logits[0, t] += b
+        if allowed is not None:
+            keep = torch.full_like(logits, float("-inf"))
+            keep[0, allowed] = logits[0, allowed]
+            logits = keep
         token = int(logits.argmax())
         ids.append(token)
         out.append(token)
@@ -46,9 +53,9 @@ def test_penalties_match_transformers(qwen3, penalties):
     llm, ref = qwen3
     # A prompt that ends the way the model goes on: its greedy continuation repeats prompt tokens, which only
     # a repetition penalty over the prompt too (vLLM's and transformers' rule) pushes away from.
-    prompts = PROMPTS + [PROMPTS[0] + penalized_greedy(ref, PROMPTS[0], 3)]
+    prompts = PROMPTS + [PROMPTS[0] + reference_greedy(ref, PROMPTS[0], 3)]
     if "repetition" in penalties:
-        assert penalized_greedy(ref, prompts[-1], MAX_NEW, **penalties) != penalized_greedy(
+        assert reference_greedy(ref, prompts[-1], MAX_NEW, **penalties) != reference_greedy(
             ref, prompts[-1], MAX_NEW, **penalties, repeat_prompt=False)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
                             repetition_penalty=penalties.get("repetition", 1.0),
@@ -59,9 +66,9 @@ def test_penalties_match_transformers(qwen3, penalties):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts for _ in (0, 1)], [params, plain] * len(prompts),
                         use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs[0::2]]
-    want = [penalized_greedy(ref, p, MAX_NEW, **penalties) for p in prompts]
+    want = [reference_greedy(ref, p, MAX_NEW, **penalties) for p in prompts]
     assert got == want
-    assert [o.outputs[0].token_ids for o in outs[1::2]] == [penalized_greedy(ref, p, MAX_NEW) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs[1::2]] == [reference_greedy(ref, p, MAX_NEW) for p in prompts]
     assert got != [o.outputs[0].token_ids for o in outs[1::2]]  # the penalties changed something
 
 
@@ -97,32 +104,13 @@ def test_a_prompt_whose_every_block_is_cached_still_computes_its_last_token(qwen
     llm, ref = qwen3
     prompt = list(range(50, 82))  # 32 tokens: exactly two blocks of 16
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    want = penalized_greedy(ref, prompt, MAX_NEW)
+    want = reference_greedy(ref, prompt, MAX_NEW)
     assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == want
     again = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     st = llm.last_generate_stats
     assert again[0].outputs[0].token_ids == want
     # The first block comes from the cache; the second holds the last token, whose logits pick the next one.
     assert st["prefix_cache_hit_tokens"] == 16 and st["prefill_tokens_computed"] == 16
-
-
-@torch.no_grad()
-def biased_greedy(model, prompt: list[int], max_new: int, bias: dict[int, float] | None = None,
-                  allowed: list[int] | None = None) -> list[int]:
-    """Greedy decoding of transformers' fp32 logits with logit_bias added and only `allowed` tokens kept."""
-    ids, out = list(prompt), []
-    for _ in range(max_new):
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
-        for t, b in (bias or {}).items():
-            logits[t] += b
-        if allowed is not None:
-            keep = torch.full_like(logits, float("-inf"))
-            keep[allowed] = logits[allowed]
-            logits = keep
-        token = int(logits.argmax())
-        ids.append(token)
-        out.append(token)
-    return out
 
 
 def test_logit_bias_and_allowed_token_ids_match_a_reference(qwen3):
@@ -133,10 +121,10 @@ def test_logit_bias_and_allowed_token_ids_match_a_reference(qwen3):
               SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, allowed_token_ids=allowed),
               SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == biased_greedy(ref, PROMPTS[0], MAX_NEW, bias=bias)
-    assert outs[1].outputs[0].token_ids == biased_greedy(ref, PROMPTS[1], MAX_NEW, allowed=allowed)
+    assert outs[0].outputs[0].token_ids == reference_greedy(ref, PROMPTS[0], MAX_NEW, bias=bias)
+    assert outs[1].outputs[0].token_ids == reference_greedy(ref, PROMPTS[1], MAX_NEW, allowed=allowed)
     assert set(outs[1].outputs[0].token_ids) <= set(allowed)
-    assert outs[2].outputs[0].token_ids == biased_greedy(ref, PROMPTS[2], MAX_NEW)  # its neighbours' rules stay theirs
+    assert outs[2].outputs[0].token_ids == reference_greedy(ref, PROMPTS[2], MAX_NEW)  # its neighbours' rules stay theirs
     forced = llm.generate([{"prompt_token_ids": PROMPTS[3]}], SamplingParams(
         temperature=1.0, seed=1, max_tokens=MAX_NEW, ignore_eos=True, logit_bias={"123": 100}), use_tqdm=False)
     assert forced[0].outputs[0].token_ids == [123] * MAX_NEW  # OpenAI's string keys; +100 decides
