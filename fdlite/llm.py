@@ -13,6 +13,7 @@ import numpy as np
 from fdlite.config import EngineConfig, parse_device
 from fdlite.default_model import RANDOM_WEIGHTS_NOTE, default_model_path
 from fdlite.distributed.lockstep import check_same_requests, requests_digest
+from fdlite.distributed.parallel_state import launched_world_size
 from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import check_graph_opt_level, translation_count
 from fdlite.kernels import cpu_attention
@@ -123,11 +124,15 @@ class LLM:
     def _compile_ops(self) -> None:
         """Build the native ops the model will call before the weights load, so that their one-time compile
         is timed (and logged) as its own phase rather than inside `load_weights`. On CPU that is the C++
-        paged attention (compiled once per machine, then loaded from its cache in milliseconds)."""
+        paged attention (compiled once per machine, then loaded from its cache in milliseconds).
+
+        Not under a multi-process launch: there the ranks create their process groups next, and one rank
+        compiling while the others wait in gloo's connection set-up timed out on a loaded 2-core machine; the
+        op then builds at its first use, after the groups exist (where the others wait in a collective)."""
         import paddle  # noqa: PLC0415
 
         device = parse_device(self.config.device) or paddle.get_device()
-        if not device.startswith("cpu"):
+        if not device.startswith("cpu") or launched_world_size() > 1:
             return
         cpu_attention.load()  # logs "compiling ... (once; cached under ...)" when it is not cached yet
 
