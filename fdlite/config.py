@@ -162,6 +162,9 @@ class EngineConfig:
     )
     use_cudagraph: bool = _opt(False, "Shorthand for graph_optimization_config's use_cudagraph (FastDeploy's --use-cudagraph).")
     enable_custom_all_reduce: bool = _opt(False, "Use fdlite's CUDA-graph-safe custom all-reduce across GPUs (NCCL, with one log line, where it is not built).")
+    max_logprobs: int = _opt(
+        20, "Most logprobs or prompt_logprobs a request may ask for (vLLM's name and default; at most 20, the GPU "
+        "kernel's limit).")
     seed: int = _opt(0, "Seed of the engine's random generator (requests without their own seed draw from it).")
 
     def __post_init__(self) -> None:
@@ -184,6 +187,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"max_logprobs must be an int in [0, 20], got {self.max_logprobs!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         self.device = parse_device(self.device)

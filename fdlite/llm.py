@@ -182,6 +182,10 @@ class LLM:
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:
             return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                return f"{name}={k} is more than max_logprobs={self.config.max_logprobs}"
         if params.bad_words and self.tokenizer is None:
             return "bad_words need a tokenizer; this LLM was built with skip_tokenizer_init=True"
         for name, tokens in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
@@ -364,6 +368,9 @@ class LLM:
 
     def _finish(self, out: RequestOutput, seqs: list[Sequence]) -> None:
         out.outputs = [self._completion(s) for s in seqs]
+        first = seqs[0]
+        if first.wants_prompt_logprobs:
+            out.prompt_logprobs = first.prompt_logprobs if first.prompt_logprobs is not None else [None]
         out.finished = True
         out.error = next((s.error for s in seqs if s.error is not None), None)
         out.metrics = {

@@ -14,7 +14,8 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
+# One dict per generated token: token id -> Logprob (the sampled token plus the top-k). fdlite hands out a
+# `fdlite.sample.logprobs.LogprobsList`, which reads (and pickles) as this list.
 SampleLogprobs = list[dict[int, Logprob]]
 
 
@@ -44,6 +45,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (vLLM's PromptLogprobs).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
     error: str | None = None
     metrics: dict | None = None

@@ -180,8 +180,12 @@ class SamplingParams:
         None, "Words never to generate (vLLM's bad_words): the last token of each word, with or without a leading "
         "space, is banned whenever the output ends with the tokens before it.")
     logprobs: int | None = _opt(
-        None, "Number of top log-probabilities to return per generated token (plus the sampled one)."
+        None, "Number of top log-probabilities to return per generated token (plus the sampled one); raw values, "
+        "the log-softmax of the model's logits before penalties, masks and temperature (vLLM's default)."
     )
+    prompt_logprobs: int | None = _opt(
+        None, "Number of top log-probabilities to return per prompt token (plus the prompt token itself); the first "
+        "prompt token's entry is None. Such a prompt is computed in full, not read from the prefix cache (as in vLLM).")
     skip_special_tokens: bool = _opt(True, "Drop special tokens when detokenizing the output.")
     include_stop_str_in_output: bool = _opt(False, "Keep the matched stop string at the end of the text.")
     structured_outputs: StructuredOutputsParams | None = _opt(
@@ -229,6 +233,8 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.structured_outputs = _structured(self.structured_outputs, guided_decoding, response_format)

@@ -208,9 +208,30 @@ def apply_bitmask_(logits, rows, mask):
     _assign(logits, x)
 
 
+def logprobs(logits, rows, targets, target_of, k):
+    """ops_logprobs.cu's contract, through the CPU reference (fdlite.sample.logprobs.compute_logprobs)."""
+    CALLS["logprobs"] += 1
+    from fdlite.sample.logprobs import compute_logprobs  # noqa: PLC0415
+
+    x, r, t, of = logits.numpy(), rows.numpy(), targets.numpy(), target_of.numpy()
+    assert 0 <= k <= 20 and len(r) and len(of) == len(r)
+    res = compute_logprobs(x[r], t[of], k)
+    rec = np.empty((len(r), 2 + 2 * k), np.int32)
+    rec[:, 0] = res.logprobs.view(np.int32)
+    rec[:, 1] = res.ranks
+    rec[:, 2 : 2 + k] = res.top_ids
+    rec[:, 2 + k :] = res.top_logprobs.view(np.int32)
+    return paddle.to_tensor(np.concatenate([t.astype(np.int32), rec.reshape(-1)]))
+
+
+def to_host(x):
+    CALLS["to_host"] += 1
+    return x.numpy()
+
+
 OPS = ("fill_", "copy_", "copy_from_host", "copy_from_host_many", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
        "rope_qk_norm_cache", "paged_attention", "lm_head_logits", "argmax", "sample", "apply_penalties_", "scatter_",
-       "apply_bitmask_")
+       "apply_bitmask_", "logprobs", "to_host")
 
 
 def install(monkeypatch) -> Counter:
@@ -221,3 +242,19 @@ def install(monkeypatch) -> Counter:
     monkeypatch.setattr(gpu_ops, "load", lambda path=None: "emulated")
     monkeypatch.setitem(platform._current, "device", "gpu")
     return CALLS
+
+
+def install_engine(monkeypatch) -> Counter:
+    """`install`, and an engine built next runs on the "gpu" (no CUDA memory statistics here)."""
+    from fdlite.runner import model_runner  # noqa: PLC0415
+
+    calls = install(monkeypatch)
+
+    def select_device(requested):
+        platform._current["device"] = "gpu"
+        return "gpu"
+
+    monkeypatch.setattr(model_runner, "select_device", select_device)
+    monkeypatch.setattr(model_runner, "device_memory", lambda: None)
+    monkeypatch.setattr(model_runner, "reset_peak_memory", lambda: None)
+    return calls

@@ -20,7 +20,6 @@ from fdlite.config import EngineConfig
 from fdlite.graph import static_graph
 from fdlite.kernels import platform
 from fdlite.layers.norm import RMSNorm
-from fdlite.runner import model_runner
 
 COMMON = dict(skip_tokenizer_init=True, max_num_seqs=4, block_size=16, max_model_len=256,
               max_num_batched_tokens=96, kv_cache_memory_bytes=1 << 22)
@@ -38,17 +37,7 @@ def prompts(n: int = 7, seed: int = 0) -> list[dict]:
     return [{"prompt_token_ids": p} for p in out]
 
 
-def _emulate_gpu(monkeypatch) -> object:
-    calls = gpu_emulator.install(monkeypatch)
-
-    def select_device(requested):
-        platform._current["device"] = "gpu"
-        return "gpu"
-
-    monkeypatch.setattr(model_runner, "select_device", select_device)
-    monkeypatch.setattr(model_runner, "device_memory", lambda: None)  # no CUDA statistics on this machine
-    monkeypatch.setattr(model_runner, "reset_peak_memory", lambda: None)
-    return calls
+_emulate_gpu = gpu_emulator.install_engine
 
 
 def _forbid_builtin_compute(monkeypatch) -> None:

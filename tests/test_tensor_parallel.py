@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5], [17, 3, 99, 250, 8, 41, 77], list(range(10, 27)), list(range(100, 140))]
 GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True)
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=1234, max_tokens=6, ignore_eos=True)
+LOGPROBS = dict(GREEDY, logprobs=3, prompt_logprobs=2)
 OPTIONS = dict(max_num_seqs=4, block_size=16, max_model_len=128)
 # qwen3 gets a vocabulary that 2 does not divide: rank 1's embedding rows end in padding.
 MODELS = {
@@ -69,6 +70,8 @@ def cases(models):
     tp2 = {**OPTIONS, "tensor_parallel_size": 2}
     out.append({"name": "sampled_qwen3", "model": models["qwen3"], "options": tp2, "prompts": PROMPTS,
                 "sampling": SAMPLED})
+    out.append({"name": "logprobs_qwen3", "model": models["qwen3"], "options": tp2, "prompts": PROMPTS,
+                "sampling": LOGPROBS})
     out.append({"name": "sot_qwen3", "model": models["qwen3"], "prompts": PROMPTS, "sampling": GREEDY,
                 "options": {**tp2, "graph_optimization_config": {"graph_opt_level": 1}}})
     out.append({"name": "cudagraph_qwen2", "model": models["qwen2"], "prompts": PROMPTS, "sampling": GREEDY,
@@ -161,6 +164,27 @@ def test_tp2_seeded_sampling_matches_tp1(models, tp2):
     rank0, rank1 = tp2["sampled_qwen3"]
     assert rank0["tokens"] == tp1_tokens(models["qwen3"], SAMPLED)
     assert rank1["num_outputs"] == 0
+
+
+def test_tp2_logprobs_and_prompt_logprobs_match_tp1(models, tp2):
+    # The prompt positions' logits are gathered over the vocabulary shards on every rank; rank 0 reports them.
+    rank0, rank1 = tp2["logprobs_qwen3"]
+    llm = LLM(models["qwen3"], skip_tokenizer_init=True, **OPTIONS)
+    want = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**LOGPROBS), use_tqdm=False)
+    assert rank0["tokens"] == [o.outputs[0].token_ids for o in want]
+    for got, w in ((rank0["prompt_logprobs"], [o.prompt_logprobs for o in want]),
+                   (rank0["logprobs"], [o.outputs[0].logprobs for o in want])):
+        assert len(got) == len(PROMPTS)
+        for g_seq, w_seq in zip(got, w):
+            assert len(g_seq) == len(w_seq)
+            for g, d in zip(g_seq, w_seq):
+                if d is None:
+                    assert g is None
+                    continue
+                assert [t for t, _ in g] == sorted(d)
+                np.testing.assert_allclose([lp for _, lp in g], [d[t].logprob for t in sorted(d)], atol=1e-4)
+    assert [len(p) for p in rank0["prompt_logprobs"]] == [len(p) for p in PROMPTS]
+    assert rank1["num_outputs"] == 0 and rank1["prompt_logprobs"] == []
 
 
 def test_tp2_with_sot_static_graph(models, tp2):

@@ -58,6 +58,11 @@ def run_case(case: dict, rank: int) -> dict:
     return {
         "tokens": [o.outputs[0].token_ids for o in outs],
         "num_outputs": len(outs),
+        # Prompt and sample logprobs as [[token id, logprob] ...] per position (prompt: the first is None).
+        "prompt_logprobs": [[None if d is None else sorted([t, lp.logprob] for t, lp in d.items())
+                             for d in o.prompt_logprobs] for o in outs if o.prompt_logprobs is not None],
+        "logprobs": [[sorted([t, lp.logprob] for t, lp in d.items()) for d in o.outputs[0].logprobs]
+                     for o in outs if o.outputs[0].logprobs is not None],
         "is_driver": llm.is_driver,
         "num_blocks": llm.num_blocks,
         "backend": llm.runner.comm.backend,

@@ -47,15 +47,11 @@ def check_same_requests(comm: Communicator, digest: int, count: int) -> None:
         )
 
 
-def share_sampled_tokens(comm: Communicator, sampled: SamplerOutput | None, wants_logprobs: list[bool]) -> SamplerOutput:
-    """Rank 0's sampled tokens on every rank (rank 0 passes its output, the others None).
-
-    `wants_logprobs`: per sampled row, whether its request asked for logprobs."""
-    n = len(wants_logprobs)
+def share_sampled_tokens(comm: Communicator, sampled: SamplerOutput | None, num_rows: int | None = None) -> SamplerOutput:
+    """Rank 0's sampled tokens on every rank (rank 0 passes its output, the others None and the row count).
+    Ranks > 0 get no logprobs: they return no outputs."""
     if comm.state.is_driver:
         comm.broadcast_from_driver(paddle.to_tensor(np.asarray(sampled.token_ids, dtype=np.int64)))
         return sampled
-    tokens = comm.broadcast_from_driver(paddle.zeros([n], dtype="int64")).numpy().tolist()
-    # No logprobs here: an empty entry where the request asked for them keeps the step loop's shape.
-    return SamplerOutput(token_ids=[int(t) for t in tokens], sampled_logprobs=[None] * n,
-                         logprobs=[{} if w else None for w in wants_logprobs])
+    tokens = comm.broadcast_from_driver(paddle.zeros([num_rows], dtype="int64")).numpy().tolist()
+    return SamplerOutput(token_ids=[int(t) for t in tokens])

@@ -361,6 +361,22 @@ def apply_bitmask_(logits, rows, mask):
     _run("fdl_apply_bitmask_", logits, rows, mask)
 
 
+def logprobs(logits, rows, targets, target_of, k: int):
+    """Raw logprobs of rows `rows` of float32 logits [N, V] at targets[target_of[a]], with their ranks and the
+    top-k (0 <= k <= 20): int32 [M + A (2 + 2k)], the targets [M] first (ops_logprobs.cu; read it back with
+    fdlite.sample.logprobs.unpack). rows / targets / target_of int64."""
+    _check(logits, "logits", ("float32",), ndim=2)
+    for t, n in ((rows, "rows"), (targets, "targets"), (target_of, "target_of")):
+        _check(t, n, ("int64",))
+    return _run("fdl_logprobs", logits, rows, targets, target_of, int(k))[0]
+
+
+def to_host(x) -> np.ndarray:
+    """A device tensor's values on the host (a blocking copy): every device-to-host copy of the sampler goes
+    through here, so the emulated GPU path can count them."""
+    return x.numpy()
+
+
 def uniform(seeds, positions, round_: int = 0):
     """The sampler's noise u(seed, position, round) as float32 [S] (fdlite.sample.random.uniforms, float32, on the GPU)."""
     _check(seeds, "seeds", ("int64",))
@@ -371,4 +387,5 @@ def uniform(seeds, positions, round_: int = 0):
 __all__ = ["load", "capi", "GpuOpsError", "set_checks", "fill_", "cast_", "cast", "copy_", "copy_from_host",
            "current_stream_handle", "gather_rows", "embedding", "rms_norm",
            "fused_add_rms_norm_", "silu_and_mul", "linear", "rope_qk_norm_cache", "paged_attention",
-           "lm_head_logits", "argmax", "sample", "uniform", "apply_penalties_", "scatter_", "apply_bitmask_"]
+           "lm_head_logits", "argmax", "sample", "uniform", "apply_penalties_", "scatter_", "apply_bitmask_", "logprobs",
+           "to_host"]

@@ -39,6 +39,19 @@ _first, _second, _computed_of = itemgetter(0), itemgetter(1), attrgetter("num_co
 
 
 @dataclass
+class PromptLogprobsInputs:
+    """The prompt positions whose logprobs a step computes: per sequence that asks, in flat-batch order, how many
+    targets it has; then for every target its hidden-state row in the flat batch and its token (the next prompt
+    token). Each sequence's targets are consecutive prompt positions after those it has recorded."""
+
+    seqs: list[Sequence]
+    counts: list[int]
+    token_indices: np.ndarray  # [T] int64
+    targets: np.ndarray  # [T] int64
+    k: int  # the largest prompt_logprobs asked
+
+
+@dataclass
 class StepInputs:
     """What `InputBatch.prepare_inputs` hands the runner and the engine for one step."""
 
@@ -50,6 +63,7 @@ class StepInputs:
     sample_positions: np.ndarray  # where each sampled token goes in its slot's token row
     sampling: SamplingBatch | None  # None when no row samples
     num_decode_tokens: int = 0  # rows that compute one token after their last sampled one
+    prompt_logprobs: PromptLogprobsInputs | None = None  # prompt positions whose logprobs this step computes
 
 
 def flat_batch(token_ids: np.ndarray, rows: np.ndarray, computed: np.ndarray, counts: np.ndarray,
@@ -162,6 +176,7 @@ class InputBatch:
         self.has_allowed = np.zeros(n, bool)
         self.allowed_of: dict[int, np.ndarray] = {}
         self.has_bad_words = np.zeros(n, bool)  # the sequence's bad_words_token_ids (`Sequence`) are checked
+        self.wants_prompt_logprobs = np.zeros(n, bool)
 
     @property
     def num_running(self) -> int:
@@ -204,6 +219,7 @@ class InputBatch:
             bits = np.zeros(bitmask_width(self.vocab_size) * 32, bool)
             bits[p.allowed_token_ids] = True
             self.allowed_of[slot] = np.packbits(bits, bitorder="little").view(np.int32)
+        self.wants_prompt_logprobs[slot] = seq.wants_prompt_logprobs
         self.has_penalties[slot] = p.has_penalties
         if p.has_penalties:
             self.repetition_penalty[slot] = p.repetition_penalty
@@ -272,7 +288,33 @@ class InputBatch:
         sampling = self.sampling_batch(sample_slots) if len(idx) else None
         positions = self.num_tokens[sample_slots]
         self.num_tokens[sample_slots] += 1
-        return StepInputs(flat, slots, counts, sample_seqs, sample_slots, positions, sampling, num_decode_tokens)
+        prompt_lp = None
+        if num_decode_tokens < b and self.wants_prompt_logprobs[slots].any():
+            prompt_lp = self._prompt_logprobs_inputs(seqs, slots, computed, counts, flat.cu_seqlens_q)
+        return StepInputs(flat, slots, counts, sample_seqs, sample_slots, positions, sampling, num_decode_tokens,
+                          prompt_lp)
+
+    def _prompt_logprobs_inputs(self, seqs: list[Sequence], slots: np.ndarray, computed: np.ndarray,
+                                counts: np.ndarray, cu: np.ndarray) -> PromptLogprobsInputs | None:
+        """Targets of the rows that ask for prompt logprobs: the hidden state at position p predicts prompt token
+        p + 1, for the prompt tokens this step's chunk reaches that the sequence has not recorded (a preempted
+        sequence recomputes its prompt but reports each position once)."""
+        req_seqs, req_counts, index, targets, k = [], [], [], [], 0
+        for r in np.nonzero(self.wants_prompt_logprobs[slots])[0].tolist():
+            seq, slot, c = seqs[r], int(slots[r]), int(computed[r])
+            recorded = len(seq.prompt_logprobs) if seq.prompt_logprobs is not None else 1
+            first, last = max(c + 1, recorded), min(c + int(counts[r]), int(self.num_prompt[slot]) - 1)
+            if last < first:
+                continue
+            req_seqs.append(seq)
+            req_counts.append(last - first + 1)
+            index.append(int(cu[r]) - c - 1 + np.arange(first, last + 1))
+            targets.append(self.token_ids[slot, first : last + 1])
+            k = max(k, seq.params.prompt_logprobs)
+        if not req_seqs:
+            return None
+        return PromptLogprobsInputs(req_seqs, req_counts, np.concatenate(index).astype(np.int64),
+                                    np.concatenate(targets).astype(np.int64), k)
 
     def sampling_batch(self, slots: np.ndarray) -> SamplingBatch:
         """Sampling parameters of `slots`, gathered from the per-slot arrays."""

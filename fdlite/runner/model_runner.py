@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import paddle
 
 from fdlite.config import EngineConfig
@@ -41,7 +42,8 @@ from fdlite.kernels.allreduce import capture_custom_allreduce
 from fdlite.distributed.communicator import Communicator, set_communicator
 from fdlite.runner.dummy_batch import dummy_batch, even_split, small_prefill_lengths
 from fdlite.runner.forward_buffers import ForwardBuffers
-from fdlite.runner.input_batch import StepInputs
+from fdlite.runner.input_batch import PromptLogprobsInputs, StepInputs
+from fdlite.sample.logprobs import concat_logprobs
 from fdlite.structured.matcher import BitmaskFiller
 
 logger = logging.getLogger("fdlite")
@@ -251,18 +253,41 @@ class ModelRunner:
 
     @paddle.no_grad()
     def forward(self, flat: FlatBatch, use_graphs: bool = True) -> paddle.Tensor | None:
-        """Hidden states of the flat batch (graph replay when its padded size was captured) -> logits of the rows that sample."""
-        size = self.graph_runner.size_for(flat) if use_graphs and self.graph_runner is not None else None
-        if size is not None:
-            hidden = self.graph_runner.run(flat, size)
-            logits_indices = self.buffers.logits_index_view(len(flat.logits_indices))
-        else:
-            ids, positions, meta, logits_indices = self.buffers.write(flat, self.kv_cache.caches)
-            hidden = self.model(ids, positions, meta)
+        """Logits of the rows that sample (None when none does)."""
+        hidden, logits_indices = self.forward_hidden(flat, use_graphs)
         if not len(flat.logits_indices):
             return None
         return self.model.compute_logits(hidden, logits_indices)
 
+    @paddle.no_grad()
+    def forward_hidden(self, flat: FlatBatch, use_graphs: bool = True) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Hidden states of the flat batch (graph replay when its padded size was captured) and the device
+        indices of its sampling rows."""
+        size = self.graph_runner.size_for(flat) if use_graphs and self.graph_runner is not None else None
+        if size is not None:
+            return self.graph_runner.run(flat, size), self.buffers.logits_index_view(len(flat.logits_indices))
+        ids, positions, meta, logits_indices = self.buffers.write(flat, self.kv_cache.caches)
+        return self.model(ids, positions, meta), logits_indices
+
+    @paddle.no_grad()
+    def prompt_logprobs(self, hidden: paddle.Tensor, req: PromptLogprobsInputs) -> list | None:
+        """Logprobs of the prompt positions `req` names, max_num_seqs rows of logits at a time (the size of a
+        decode step's logits, which profiling measured). Every rank computes the logits (the vocabulary gather
+        is collective); rank 0 alone the logprobs. Returns [(sequence, its numbers)] on rank 0."""
+        rows = self.config.max_num_seqs
+        parts = []
+        for start in range(0, len(req.targets), rows):
+            index = paddle.to_tensor(req.token_indices[start : start + rows])
+            logits = self.model.compute_logits(hidden, index)
+            if self.parallel.is_driver:
+                parts.append(self.sampler.logprobs_of(logits, req.targets[start : start + rows], req.k))
+        if not self.parallel.is_driver:
+            return None
+        whole = concat_logprobs(parts)
+        bounds = np.cumsum([0, *req.counts])
+        return [(seq, whole.slice(int(a), int(b))) for seq, a, b in zip(req.seqs, bounds[:-1], bounds[1:])]
+
+    @paddle.no_grad()
     def execute(self, step: StepInputs) -> SamplerOutput | None:
         """Run one step: forward, then (rank 0) sample; every rank gets rank 0's tokens.
 
@@ -273,12 +298,18 @@ class ModelRunner:
         masks = None
         if self.parallel.is_driver and sampling is not None and sampling.grammars:
             masks = self.bitmasks.start(sampling.grammars, self.eos_token_ids)
-        logits = self.forward(step.flat)
+        hidden, logits_indices = self.forward_hidden(step.flat)
         if masks is not None:
             sampling.grammar_bitmask = masks.result()
-        if logits is None:
-            return None
-        sampled = self.sampler(logits, sampling) if self.parallel.is_driver else None
-        if self.parallel.world_size > 1:
-            sampled = share_sampled_tokens(self.comm, sampled, [s.params.logprobs is not None for s in step.sample_seqs])
+        sampled = None
+        if len(step.flat.logits_indices):
+            logits = self.model.compute_logits(hidden, logits_indices)
+            sampled = self.sampler(logits, sampling) if self.parallel.is_driver else None
+            if self.parallel.world_size > 1:
+                sampled = share_sampled_tokens(self.comm, sampled, len(step.sample_seqs))
+        if step.prompt_logprobs is not None:
+            prompt = self.prompt_logprobs(hidden, step.prompt_logprobs)
+            if prompt is not None:
+                sampled = sampled if sampled is not None else SamplerOutput([])
+                sampled.prompt_logprobs = prompt
         return sampled

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from fdlite import envs
 from fdlite.detokenizer import IncrementalDetokenizer
-from fdlite.outputs import Logprob
 from fdlite.runner.sequence import Sequence
+from fdlite.sample.logprobs import LogprobsList, LogprobsTensors
 from fdlite.sampling_params import SamplingParams
 
 
@@ -40,6 +40,8 @@ class OutputProcessor:
         text. Returns {row: stop string} for the rows whose text completed one."""
         if sampled is None:
             return {}
+        if sampled.prompt_logprobs:
+            self.record_prompt_logprobs(sampled.prompt_logprobs)
         self.record(seqs, sampled, sampling, now)
         stops = {}
         for i in candidates:
@@ -62,27 +64,33 @@ class OutputProcessor:
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def record(self, seqs: list[Sequence], sampled, sampling, now: float) -> None:
-        """First-token times, and the logprobs of the rows that asked (with their token strings)."""
+        """First-token times, and the logprobs of the rows that asked (their arrays, read as dicts later)."""
         for seq in seqs:
             if seq.first_token_time is None:
                 seq.first_token_time = now
-        for i in (sampling.logprob_rows() if sampling is not None else ()):
-            entry = sampled.logprobs[i]
-            if entry is None:
-                continue
+        tensors = sampled.logprobs_tensors
+        if tensors is None:
+            return
+        for j, (i, num, lp) in enumerate(zip(sampled.logprob_rows.tolist(), sampled.num_logprobs.tolist(),
+                                             tensors.logprobs.tolist())):
             seq = seqs[i]
-            seq.logprobs = seq.logprobs if seq.logprobs is not None else []
-            seq.logprobs.append(self.decode_logprobs(entry))
-            if sampled.sampled_logprobs[i] is not None:
-                seq.cumulative_logprob += sampled.sampled_logprobs[i]
+            if seq.logprobs is None:
+                seq.logprobs = LogprobsList(self.decode_token)
+            seq.logprobs.append(tensors, j, num)
+            seq.cumulative_logprob += lp
 
-    def decode_logprobs(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
-        """Fill each entry's `decoded_token` (one tokenizer call per distinct token id, ever)."""
+    def record_prompt_logprobs(self, prompt_logprobs: list[tuple[Sequence, LogprobsTensors]]) -> None:
+        """Prompt logprobs computed this step, in prompt order per sequence (`prompt_logprobs`)."""
+        for seq, tensors in prompt_logprobs:
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = LogprobsList(self.decode_token, leading_none=True)
+            seq.prompt_logprobs.extend_rows(tensors, seq.params.prompt_logprobs)
+
+    def decode_token(self, token_id: int) -> str | None:
+        """One token's text for a `Logprob` (one tokenizer call per distinct id, ever; None without a tokenizer)."""
         if self.tokenizer is None:
-            return entry
-        for tid, lp in entry.items():
-            text = self._token_text.get(tid)
-            if text is None:
-                text = self._token_text[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
-            lp.decoded_token = text
-        return entry
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text

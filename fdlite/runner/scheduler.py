@@ -150,13 +150,15 @@ class Scheduler:
         j = 0
         while j < len(self.waiting) and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[j]
-            hits = self.allocator.match_prefix(seq)
+            # Prompt logprobs need the forward of every prompt token: no prefix-cache hits (vLLM does the same).
+            hits = [] if seq.wants_prompt_logprobs else self.allocator.match_prefix(seq)
             cached = len(hits) * self.block_size
             todo = seq.num_tokens - cached
             n = min(todo, budget, slot)
             if n < todo and not self.chunked_prefill:
                 break  # FCFS: the head waits for a step with room for its whole prompt
-            if (n < todo and not self._may_start_partial(todo)) or self._next_block_in_flight(seq, len(hits), in_flight):
+            if (n < todo and not self._may_start_partial(todo)) or (
+                    not seq.wants_prompt_logprobs and self._next_block_in_flight(seq, len(hits), in_flight)):
                 passed_over += 1
                 if passed_over > self.max_num_seqs:
                     break

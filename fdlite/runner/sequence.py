@@ -20,8 +20,12 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from fdlite.outputs import Logprob
+from typing import TYPE_CHECKING
+
 from fdlite.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from fdlite.sample.logprobs import LogprobsList
 
 
 class SequenceStatus(enum.Enum):
@@ -58,12 +62,18 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None  # why it finished with "error" (a grammar the output could not follow)
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: LogprobsList | None = None  # read as a list of dicts (token id -> Logprob)
+    prompt_logprobs: LogprobsList | None = None  # the same, one per prompt token, the first None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are computed by a request's first sequence (its `n > 1` siblings share the prompt)."""
+        return self.params.prompt_logprobs is not None and self.child_index == 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,6 +35,7 @@ import numpy as np
 import paddle
 
 from fdlite.kernels.custom_op import dispatch_forward
+from fdlite.sample.logprobs import LogprobsTensors, compute_logprobs
 from fdlite.sample.random import uniforms
 from fdlite.outputs import Logprob
 from fdlite.sampling_params import SamplingParams
@@ -98,13 +99,34 @@ class SamplingBatch:
 
 @dataclass
 class SamplerOutput:
-    """Result of one sampling step, one entry per row."""
+    """Result of one sampling step: one token per row, and the logprob numbers of the rows that asked."""
 
     token_ids: list[int]
-    # Per row: the raw logprob of the sampled token, None for rows that did not ask for logprobs.
-    sampled_logprobs: list[float | None]
-    # Per row: top-`logprobs` tokens plus the sampled one, with ranks; None when not asked.
-    logprobs: list[dict[int, Logprob] | None]
+    # The rows that asked for logprobs (`SamplingBatch.logprob_rows`), their numbers in that order, and each
+    # one's top-k; None when no row asked (and on tensor-parallel ranks > 0, which report nothing).
+    logprobs_tensors: LogprobsTensors | None = None
+    logprob_rows: np.ndarray | None = None
+    num_logprobs: np.ndarray | None = None
+    # Prompt logprobs computed this step: (sequence, its next consecutive prompt positions' numbers).
+    prompt_logprobs: list | None = None
+
+    @property
+    def sampled_logprobs(self) -> list[float | None]:
+        """Per row: the raw logprob of the sampled token (None where not asked)."""
+        out: list[float | None] = [None] * len(self.token_ids)
+        if self.logprobs_tensors is not None:
+            for j, i in enumerate(self.logprob_rows.tolist()):
+                out[i] = float(self.logprobs_tensors.logprobs[j])
+        return out
+
+    @property
+    def logprobs(self) -> list[dict[int, Logprob] | None]:
+        """Per row: the sampled token and the top-k as vLLM's dict (None where not asked)."""
+        out: list[dict[int, Logprob] | None] = [None] * len(self.token_ids)
+        if self.logprobs_tensors is not None:
+            for j, i in enumerate(self.logprob_rows.tolist()):
+                out[i] = self.logprobs_tensors.entry(j, int(self.num_logprobs[j]))
+        return out
 
 
 def stop_tokens_while_short(params: SamplingParams, num_output: int, eos_token_ids: set[int], vocab: int) -> list[int]:
@@ -146,8 +168,16 @@ class Sampler:
             self._gpu = GpuSampler()
         return self._gpu(logits, batch)
 
+    def logprobs_of(self, logits: paddle.Tensor, targets: np.ndarray, k: int) -> LogprobsTensors:
+        """Raw logprobs of every row of `logits` at `targets` [rows], with ranks and the top-k (prompt logprobs)."""
+        if self._forward == self.forward_gpu:
+            from fdlite.sample.sampler_gpu import logprobs_of  # noqa: PLC0415
+
+            return logprobs_of(logits, targets, k)
+        return compute_logprobs(_host_logits(logits, len(targets)), targets, k)
+
     def forward_cpu(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        x = _host_logits(logits, batch)
+        x = _host_logits(logits, batch.num_rows)
         processed = adjust_logits(x, batch)
         tokens = np.empty(batch.num_rows, np.int64)
         greedy = batch.temperature <= 0.0
@@ -354,8 +384,7 @@ def _inverse_cdf(w: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def _host_logits(logits: paddle.Tensor, batch: SamplingBatch) -> np.ndarray:
-    n = batch.num_rows
+def _host_logits(logits: paddle.Tensor, n: int) -> np.ndarray:
     if logits.ndim != 2 or logits.shape[0] != n:
         raise ValueError(f"logits must be [rows={n}, vocab], got shape {list(logits.shape)}")
     if logits.dtype != paddle.float32:
@@ -370,36 +399,11 @@ def _take(batch: SamplingBatch, rows: np.ndarray) -> SamplingBatch:
                          num_logprobs=batch.num_logprobs[rows])
 
 
-def _output(x: np.ndarray, tokens: np.ndarray, batch: SamplingBatch, rows_asking_only: bool = False) -> SamplerOutput:
-    """Tokens plus the logprobs asked for, from the raw logits `x` (all rows, or with `rows_asking_only`
-    just the rows that ask for logprobs, in order: what the GPU sampler copies back)."""
-    n = batch.num_rows
-    token_list = tokens.tolist()
-    sampled: list[float | None] = [None] * n
-    entries: list[dict[int, Logprob] | None] = [None] * n
+def _output(x: np.ndarray, tokens: np.ndarray, batch: SamplingBatch) -> SamplerOutput:
+    """Tokens plus the logprobs asked for, from the raw logits `x` (all rows)."""
     asking = np.nonzero(batch.num_logprobs >= 0)[0]
     if not len(asking):
-        return SamplerOutput(token_list, sampled, entries)
-    raw = _log_softmax(x if rows_asking_only else x[asking])
-    picked = raw[np.arange(len(asking)), tokens[asking]]
-    ranks = (raw >= picked[:, None]).sum(axis=1)
-    k_max = int(min(batch.num_logprobs[asking].max(), raw.shape[1]))
-    if k_max > 0:
-        top_ids = np.argpartition(-raw, k_max - 1, axis=1)[:, :k_max]
-        top_vals = np.take_along_axis(raw, top_ids, axis=1)
-        order = np.argsort(-top_vals, axis=1, kind="stable")
-        top_ids, top_vals = np.take_along_axis(top_ids, order, 1).tolist(), np.take_along_axis(top_vals, order, 1).tolist()
-    for j, i in enumerate(asking.tolist()):
-        # Sampled token first, then the top-k (which overwrites it with its own rank if present): vLLM's order.
-        d = {token_list[i]: Logprob(logprob=float(picked[j]), rank=int(ranks[j]))}
-        for r in range(min(int(batch.num_logprobs[i]), k_max)):
-            d[top_ids[j][r]] = Logprob(logprob=top_vals[j][r], rank=r + 1)
-        entries[i] = d
-        sampled[i] = float(picked[j])
-    return SamplerOutput(token_list, sampled, entries)
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=1, keepdims=True)
-    return (x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))).astype(np.float32)
+        return SamplerOutput(tokens.tolist())
+    num = batch.num_logprobs[asking]
+    tensors = compute_logprobs(x[asking], tokens[asking], int(num.max()))
+    return SamplerOutput(tokens.tolist(), tensors, asking, num)

@@ -12,8 +12,9 @@ repetition / frequency / presence penalties from per-slot token tables kept on t
 taken, counted up from the sampled ids after each draw); the grammar bitmask of constrained rows
 (computed on the host by llguidance beside the forward, uploaded for those rows only); min_tokens bans as
 sparse (row, token) writes; logit_bias as sparse adds and allowed_token_ids as a bitmask, by the same
-kernels. What crosses to the host per step: the sampled ids, and the raw logits of the
-rows that ask for logprobs (log-softmax and top-k on the host, for now).
+kernels. Logprobs are computed on the device too (ops_logprobs.cu, from a device copy of the raw rows
+when a processor changes them). What crosses to the host per step is one buffer: the sampled ids, and
+for the rows that ask for logprobs their [2 + 2k] numbers (`fdlite/sample/logprobs.py`).
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ import numpy as np
 import paddle
 
 from fdlite.kernels import gpu as gpu_ops
-from fdlite.kernels.device_tensors import to_numpy_f32
-from fdlite.sample.sampler import _NEG_INF, SamplerOutput, SamplingBatch, _output, bans_a_grammar_leaves
+from fdlite.sample.logprobs import LogprobsTensors, unpack
+from fdlite.sample.sampler import _NEG_INF, SamplerOutput, SamplingBatch, bans_a_grammar_leaves
 
 
 def _upload(a, dtype) -> paddle.Tensor:
     return paddle.to_tensor(np.ascontiguousarray(a, dtype=dtype))
 
 
-def _rows_to_host(logits: paddle.Tensor, rows: np.ndarray) -> np.ndarray:
-    return to_numpy_f32(gpu_ops.gather_rows(logits, _upload(rows, np.int64)))
+def _adjusts(batch: SamplingBatch) -> bool:
+    """Whether any logits processor runs on this batch (and so changes the logits in place)."""
+    return (batch.penalty_rows is not None or batch.bias_rows is not None or batch.allowed_rows is not None
+            or batch.grammar_rows is not None or len(batch.banned_rows) > 0)
 
 
 class DeviceTokenTables:
@@ -57,10 +60,16 @@ class DeviceTokenTables:
                 gpu_ops.scatter_(table, _upload(rows, np.int64), _upload(cols, np.int64),
                                  _upload(np.ones(len(rows)), np.float32), add=add)
 
-    def count(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """One more occurrence of each sampled token in its slot's output."""
-        gpu_ops.scatter_(self.counts, _upload(slots, np.int64), _upload(tokens, np.int64),
-                         _upload(np.ones(len(slots)), np.float32), add=True)
+    def count(self, slots: np.ndarray, tokens: paddle.Tensor) -> None:
+        """One more occurrence of each sampled token (int64, on the device) in its slot's output."""
+        gpu_ops.scatter_(self.counts, _upload(slots, np.int64), tokens, _upload(np.ones(len(slots)), np.float32), add=True)
+
+
+def logprobs_of(logits: paddle.Tensor, targets: np.ndarray, k: int) -> LogprobsTensors:
+    """`Sampler.logprobs_of` on the device: one kernel, one copy of the [rows, 2 + 2k] numbers."""
+    rows = _upload(np.arange(len(targets)), np.int64)
+    buf = gpu_ops.to_host(gpu_ops.logprobs(logits, rows, _upload(targets, np.int64), rows, k))
+    return unpack(buf, len(targets), np.arange(len(targets)), k)[1]
 
 
 class GpuSampler:
@@ -73,7 +82,9 @@ class GpuSampler:
         if logits.ndim != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [rows={batch.num_rows}, vocab], got shape {list(logits.shape)}")
         asking = np.nonzero(batch.num_logprobs >= 0)[0]
-        raw = _rows_to_host(logits, asking) if len(asking) else None  # before any adjustment (vLLM: raw logprobs)
+        raw, raw_rows = logits, asking
+        if len(asking) and _adjusts(batch):  # logprobs are of the raw logits: a device copy of the asking rows first
+            raw, raw_rows = gpu_ops.gather_rows(logits, _upload(asking, np.int64)), np.arange(len(asking))
         self._adjust(logits, batch)
         if (batch.temperature <= 0.0).all():
             tokens = gpu_ops.argmax(logits)
@@ -83,12 +94,16 @@ class GpuSampler:
                 _upload(batch.top_p, np.float32), _upload(batch.min_p, np.float32),
                 _upload(np.asarray(batch.seeds, np.uint64).view(np.int64), np.int64),
                 _upload(batch.positions, np.int64))
-        ids = tokens.numpy().astype(np.int64, copy=False)
         if batch.penalty_rows is not None:
-            self.tables.count(batch.penalty_slots, ids[batch.penalty_rows])
-        if raw is None:
-            return SamplerOutput(ids.tolist(), [None] * batch.num_rows, [None] * batch.num_rows)
-        return _output(raw, ids, batch, rows_asking_only=True)
+            self.tables.count(batch.penalty_slots, gpu_ops.gather_rows(tokens, _upload(batch.penalty_rows, np.int64)))
+        if not len(asking):
+            return SamplerOutput(gpu_ops.to_host(tokens).tolist())
+        num = batch.num_logprobs[asking]
+        k = int(num.max())
+        # One copy: the sampled ids and the asking rows' [2 + 2k] numbers in one buffer.
+        buf = gpu_ops.to_host(gpu_ops.logprobs(raw, _upload(raw_rows, np.int64), tokens, _upload(asking, np.int64), k))
+        ids, tensors = unpack(buf, batch.num_rows, asking, k)
+        return SamplerOutput(ids.tolist(), tensors, asking, num)
 
     def _adjust(self, logits: paddle.Tensor, batch: SamplingBatch) -> None:
         """Penalties, logit_bias, allowed_token_ids, the grammar mask, then min_tokens bans (the CPU sampler's
