@@ -9,7 +9,8 @@ output processing runs as for a user): `max_num_seqs=256`, N prompts of 16 token
     ms per decode step = (time to generate LONG tokens - time to generate SHORT tokens) / (LONG - SHORT)
 
 with LONG=72, SHORT=8 for the greedy cases at vocabulary 500 (batch 1, 32, 256), and fewer tokens for
-the cases at Qwen3's 151,936-token vocabulary (greedy and `temperature=0.8, top_p=0.9`, batch 64), where
+the cases at Qwen3's 151,936-token vocabulary (greedy and `temperature=0.8, top_p=0.9`, batch 64; `logprobs`
+adds logprobs=5 to the latter), where
 the pre-redesign sampler takes seconds per step. Each repeat times a (short, long) pair; the best
 repeat counts. Cheap perf_counter timers around the phase functions (about a microsecond per call, a
 few calls per step) give its per-phase breakdown, differenced the same way. Phase times are exclusive
@@ -77,7 +78,7 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atten
 class Case:
     vocab: int
     batch: int
-    sampling: str  # "greedy" or "sampled" (temperature=0.8, top_p=0.9)
+    sampling: str  # "greedy", "sampled" (temperature=0.8, top_p=0.9) or "logprobs" (sampled, with logprobs=5)
     short: int     # output tokens of the short run
     long: int      # output tokens of the long run
 
@@ -206,7 +207,7 @@ def _prompts(batch: int, vocab: int) -> list[list[int]]:
 def _params(case: Case, max_tokens: int):
     from fdlite import SamplingParams
 
-    extra = SAMPLED if case.sampling == "sampled" else dict(temperature=0.0)
+    extra = {"sampled": SAMPLED, "logprobs": {**SAMPLED, "logprobs": 5}}.get(case.sampling, dict(temperature=0.0))
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)
 
 
@@ -371,7 +372,7 @@ def main() -> None:
     ap.add_argument("--large-vocab", type=int, default=151936)
     ap.add_argument("--large-vocab-batches", type=int, nargs="*", default=[64])
     ap.add_argument("--large-vocab-tokens", type=int, nargs=2, default=[2, 6], metavar=("SHORT", "LONG"))
-    ap.add_argument("--large-vocab-modes", nargs="*", default=["greedy", "sampled"], choices=["greedy", "sampled"])
+    ap.add_argument("--large-vocab-modes", nargs="*", default=["greedy", "sampled"], choices=["greedy", "sampled", "logprobs"])
     ap.add_argument("--repeats", type=int, default=3, help="clean (short, long) pairs per case; the best counts")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--ref", default=None, metavar="GIT_REF", help="also measure this commit, side by side")

@@ -829,6 +829,44 @@ def t_bitmask(C, V):
     return f
 
 
+def t_logprobs(N, V, k, ties=False):
+    """Against fdlite.sample.logprobs.compute_logprobs (float64 log-sum-exp): values within 2e-5, ranks and top-k
+    ids equal (ties to the lower id); a row's record is the same alone and in the batch; time per call."""
+    def f():
+        from fdlite.sample.logprobs import compute_logprobs, unpack
+
+        x = (rng.standard_normal((N, V)) * 4).astype(np.float32)
+        if ties:
+            x[0, [3, 70, 900, V - 1]] = 30.0  # a four-way tie at the top
+            x[1, :] = 0.0  # every token tied
+        rows = np.arange(N, dtype=np.int64)[::-1].copy()  # rows out of order
+        targets = rng.integers(0, V, N).astype(np.int64)
+        targets[0] = 900
+        of = np.arange(N, dtype=np.int64)
+        g = to_gpu(x, "float32")
+        out = G.logprobs(g, to_gpu(rows, "int64"), to_gpu(targets, "int64"), to_gpu(of, "int64"), k)
+        echoed, got = unpack(to_np(out), N, of, k)
+        want = compute_logprobs(x[rows], targets, k)
+        err = max(float(np.max(np.abs(got.logprobs - want.logprobs))),
+                  float(np.max(np.abs(got.top_logprobs - want.top_logprobs))) if k else 0.0)
+        same = (np.array_equal(echoed, targets) and np.array_equal(got.ranks, want.ranks)
+                and np.array_equal(got.top_ids, want.top_ids))
+        one = unpack(to_np(G.logprobs(g, to_gpu(rows[2:3], "int64"), to_gpu(targets, "int64"),
+                                      to_gpu(of[2:3], "int64"), k)), N, of[2:3], k)[1]
+        alone = np.array_equal(one.logprobs.view(np.int32), got.logprobs[2:3].view(np.int32)) and np.array_equal(
+            one.top_ids, got.top_ids[2:3])
+        args = (g, to_gpu(rows, "int64"), to_gpu(targets, "int64"), to_gpu(of, "int64"), k)
+        us = graph_time_us(lambda: G.logprobs(*args)) if N >= 64 else 0.0
+        return (same and alone and err < 2e-5, err, 2e-5,
+                f"N={N} V={V} k={k}: ranks/ids equal={same}, row alone bit-equal={alone}, {us:.1f} us per call")
+    return f
+
+
+check("logprobs [256,151936] k=20 vs the CPU reference", t_logprobs(256, 151936, 20))
+check("logprobs [64,151936] k=5", t_logprobs(64, 151936, 5))
+check("logprobs [7,1001] k=0 and k=1, ties", t_logprobs(7, 1001, 0, ties=True))
+check("logprobs [7,1001] k=1, ties", t_logprobs(7, 1001, 1, ties=True))
+check("logprobs [9,50] k=20 (ties, vocabulary near k)", t_logprobs(9, 50, 20, ties=True))
 check("apply_penalties_ [64,151936] == the CPU sampler's numpy, bit for bit", t_penalties(64, 32, 151936))
 check("apply_penalties_ [5,1001] odd vocabulary", t_penalties(5, 5, 1001))
 check("scatter_ (add with repeats, uint8 marks, -inf bans)", t_scatter)
