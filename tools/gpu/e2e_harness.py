@@ -12,6 +12,8 @@ fresh allocator and its startup numbers are its own:
     python3 tools/gpu/e2e_harness.py throughput --out DIR   # nano-vllm protocol + decode step times at 1/16/64/256
     python3 tools/gpu/e2e_harness.py diag       --out DIR   # where a decode step's time goes (host parts, eager)
     python3 tools/gpu/e2e_harness.py breakdown  --out DIR   # the throughput protocol's time by step kind
+    python3 tools/gpu/e2e_harness.py sampling   --out DIR   # each sampling feature's tokens/s beside plain sampling
+    python3 tools/gpu/e2e_harness.py sampling_checks --out DIR  # penalties, bans, logprobs vs transformers; seeded graphs
 
 Each writes DIR/<section>.json as it goes (a crash keeps what was measured).
 """
@@ -88,6 +90,23 @@ def small_model(family: str) -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         write_random_model(path, family, seed=1, **{**GPU_BASE, **FAMILY_OVERRIDES[family]})
     return path
+
+
+def with_qwen3_tokenizer(path: str) -> str:
+    """A sibling of the model folder `path` ("<path>-tok") with its files as symlinks plus fdlite's shipped Qwen3
+    tokenizer (tokenizer.json gunzipped from fdlite/assets/qwen3_tokenizer/, and tokenizer_config.json), so an
+    `LLM` on it has text (bad_words, structured outputs), while `path` stays what the other sections load."""
+    from hf_models import add_qwen3_tokenizer  # noqa: PLC0415
+
+    src = os.path.abspath(path)
+    dst = src.rstrip("/") + "-tok"
+    if os.path.isfile(os.path.join(dst, "tokenizer_config.json")):  # written last
+        return dst
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name not in ("tokenizer.json", "tokenizer_config.json") and not os.path.lexists(os.path.join(dst, name)):
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    return add_qwen3_tokenizer(dst)
 
 
 def qwen3_06b() -> str:
@@ -599,46 +618,86 @@ def section_breakdown():
 
 
 # ---- sampling features at full speed (device-side logits processors) ---------------------------
+
+# The nested schema of benchmarks/structured_outputs.py (objects, arrays, enums, numbers, required).
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "status": {"enum": ["active", "inactive", "pending"]},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "owner": {"type": "object", "properties": {
+            "name": {"type": "string"}, "email": {"type": "string"},
+            "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                        "required": ["city"]}},
+            "required": ["name", "address"]},
+        "items": {"type": "array", "items": {"type": "object", "properties": {
+            "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}, "price": {"type": "number"}},
+            "required": ["sku", "qty"]}},
+    },
+    "required": ["id", "name", "status", "owner", "items"],
+}
+
+
 def section_sampling():
-    """Each sampling feature's output tokens/s beside plain temperature sampling, in one process (one `LLM`):
-    128 of the protocol's prompts, 128 output tokens each (`ignore_eos` unless a case needs EOS), graphs on;
-    then a JSON-schema batch of 64 beside its unconstrained twin."""
+    """Each sampling feature's output tokens/s beside plain temperature sampling, in one process (one `LLM`, with
+    the shipped Qwen3 tokenizer for the cases that need text): 128 of the protocol's prompts (token ids), 128
+    output tokens each (`ignore_eos` unless a case needs EOS), graphs on; then a JSON-schema batch of 64 beside
+    its unconstrained twin."""
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
 
     state = {}
 
     def startup():
-        state["llm"] = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256,
+        state["llm"] = LLM(with_qwen3_tokenizer(qwen3_06b()), device=FDL_DEVICE, max_num_seqs=256,
                            max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True)
         return {"kv_blocks": state["llm"].num_blocks}
 
     prompts, _ = protocol(n=128)
     base = dict(max_tokens=128, ignore_eos=True)
-    cases = {
-        "temperature=0.6": dict(temperature=0.6),
-        "temperature=0.7, top_p=0.8, top_k=20": dict(temperature=0.7, top_p=0.8, top_k=20),
-        "+ repetition_penalty=1.05": dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
-        "presence_penalty=1.5": dict(temperature=0.7, presence_penalty=1.5),
-        "frequency_penalty=0.5": dict(temperature=0.6, frequency_penalty=0.5),
-        "min_tokens=64 (EOS banned until then)": dict(temperature=0.6, min_tokens=64, ignore_eos=False),
-        "logprobs=5": dict(temperature=0.6, logprobs=5),
-        "logit_bias (10 tokens)": dict(temperature=0.6, logit_bias={t: 2.0 for t in range(1000, 1010)}),
-        "allowed_token_ids (1,000 tokens)": dict(temperature=0.6, allowed_token_ids=list(range(5000, 6000))),
+    bad_words = ["the", "and", "of", "to", "in", "is", "that", "it", "for", "with"]
+    cases = {  # name: (params over `base`, number of prompts)
+        "temperature=0.6": (dict(temperature=0.6), 128),
+        "temperature=0.7, top_p=0.8, top_k=20": (dict(temperature=0.7, top_p=0.8, top_k=20), 128),
+        "+ repetition_penalty=1.05": (dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05), 128),
+        "presence_penalty=1.5": (dict(temperature=0.7, presence_penalty=1.5), 128),
+        "frequency_penalty=0.5": (dict(temperature=0.6, frequency_penalty=0.5), 128),
+        "min_tokens=64 (EOS banned until then)": (dict(temperature=0.6, min_tokens=64, ignore_eos=False), 128),
+        "logprobs=5": (dict(temperature=0.6, logprobs=5), 128),
+        "logprobs=20": (dict(temperature=0.6, logprobs=20), 128),
+        "logit_bias (10 tokens)": (dict(temperature=0.6, logit_bias={t: 2.0 for t in range(1000, 1010)}), 128),
+        "allowed_token_ids (1,000 tokens)": (dict(temperature=0.6, allowed_token_ids=list(range(5000, 6000))), 128),
+        "bad_words (10 words)": (dict(temperature=0.6, bad_words=bad_words), 128),
+        # the twin first: the same batch, the same lengths cap, no grammar (and no EOS, as a random model's
+        # unconstrained text rarely stops); structured outputs refuse ignore_eos
+        "json twin (unconstrained), batch 64": (dict(temperature=0.6), 64),
+        "json schema, batch 64": (dict(temperature=0.6, ignore_eos=False,
+                                       structured_outputs={"json": JSON_SCHEMA}), 64),
     }
 
-    def bench(kw):
+    def bench(kw, n):
         def f():
             llm = state["llm"]
             params = SamplingParams(**{**base, **kw})
             warm = {**base, **kw, "max_tokens": 4, "min_tokens": 0}
             llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], SamplingParams(**warm), use_tqdm=False)
             t = time.time()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params, use_tqdm=False)
             s = time.time() - t
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            res = {"output_tokens": n, "generate_s": round(s, 2), "output_tokens_per_s": round(n / s, 1)}
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            res = {"requests": n, "output_tokens": tokens, "generate_s": round(s, 2),
+                   "output_tokens_per_s": round(tokens / s, 1)}
             if "allowed_token_ids" in kw:  # the mask really held
                 res["all_tokens_allowed"] = all(set(o.outputs[0].token_ids) <= set(kw["allowed_token_ids"]) for o in outs)
+            if "structured_outputs" in kw:  # what the grammar let through: each finished output parses
+                stopped = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+                parsed = sum(_parses(c.text) for c in stopped)
+                res.update(finished_stop=len(stopped), parse_json=sum(_parses(o.outputs[0].text) for o in outs),
+                           stopped_and_parse=parsed,
+                           all_start_with_brace=all(o.outputs[0].text.lstrip().startswith("{") for o in outs))
+                res["pass"] = parsed == len(stopped) and res["all_start_with_brace"]
             return res
         return f
 
@@ -646,20 +705,34 @@ def section_sampling():
     if "llm" not in state:
         return
     wanted = [w for w in ARGS.cases.split(",") if w]
-    run("warm-up run (plain, not counted)", bench(cases["temperature=0.6"]))
-    for name, kw in cases.items():
+    run("warm-up run (plain, not counted)", bench(*cases["temperature=0.6"]))
+    for name, (kw, n) in cases.items():
         if not wanted or any(w in name for w in wanted):
-            run(name, bench(kw))
+            run(name, bench(kw, n))
     if not wanted or "forced" in wanted:  # logit_bias +100 on one token decides every draw
         def forced():
             outs = state["llm"].generate([{"prompt_token_ids": p} for p in prompts[:8]], SamplingParams(
                 temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, logit_bias={4242: 100.0}), use_tqdm=False)
             return {"pass": all(o.outputs[0].token_ids == [4242] * 16 for o in outs)}
         run("forced by logit_bias +100", forced)
-    plain = RES["results"].get("temperature=0.6", {}).get("output_tokens_per_s")
+    results = RES["results"]
+    plain = results.get("temperature=0.6", {}).get("output_tokens_per_s")
     if plain:
-        RES["results"]["share_of_plain"] = {k: round(v["output_tokens_per_s"] / plain, 3)
-                                            for k, v in RES["results"].items() if "output_tokens_per_s" in v}
+        results["share_of_plain"] = {k: round(v["output_tokens_per_s"] / plain, 3)
+                                     for k, v in results.items() if "output_tokens_per_s" in v}
+    twin = results.get("json twin (unconstrained), batch 64", {}).get("output_tokens_per_s")
+    constrained = results.get("json schema, batch 64", {}).get("output_tokens_per_s")
+    if twin and constrained:
+        results["json_share_of_twin"] = {"json_tokens_per_s": constrained, "twin_tokens_per_s": twin,
+                                         "share": round(constrained / twin, 3)}
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":
