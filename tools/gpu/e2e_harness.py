@@ -12,6 +12,8 @@ fresh allocator and its startup numbers are its own:
     python3 tools/gpu/e2e_harness.py throughput --out DIR   # nano-vllm protocol + decode step times at 1/16/64/256
     python3 tools/gpu/e2e_harness.py diag       --out DIR   # where a decode step's time goes (host parts, eager)
     python3 tools/gpu/e2e_harness.py breakdown  --out DIR   # the throughput protocol's time by step kind
+    python3 tools/gpu/e2e_harness.py sampling   --out DIR   # each sampling feature's tokens/s beside plain sampling
+    python3 tools/gpu/e2e_harness.py sampling_checks --out DIR  # penalties, bans, logprobs vs transformers; seeded graphs
 
 Each writes DIR/<section>.json as it goes (a crash keeps what was measured).
 """
@@ -35,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
-ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown", "sampling"])
+ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown", "sampling",
+                                    "sampling_checks"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
@@ -88,6 +91,45 @@ def small_model(family: str) -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         write_random_model(path, family, seed=1, **{**GPU_BASE, **FAMILY_OVERRIDES[family]})
     return path
+
+
+def with_eos(path: str, eos: int) -> str:
+    """A sibling of the model folder `path` ("<path>-eos<N>", weights symlinked) whose config.json and
+    generation_config.json say EOS is token `eos` (fdlite takes EOS from the model's config, plus the
+    tokenizer's, which these folders do not have)."""
+    src = os.path.abspath(path)
+    dst = f"{src.rstrip('/')}-eos{eos}"
+    if os.path.isfile(os.path.join(dst, "config.json")):  # written last
+        return dst
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name not in ("config.json", "generation_config.json") and not os.path.lexists(os.path.join(dst, name)):
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    for name in ("generation_config.json", "config.json"):
+        if os.path.isfile(os.path.join(src, name)):
+            with open(os.path.join(src, name)) as f:
+                cfg = json.load(f)
+            cfg["eos_token_id"] = eos
+            with open(os.path.join(dst, name), "w") as f:
+                json.dump(cfg, f, indent=1)
+    return dst
+
+
+def with_qwen3_tokenizer(path: str) -> str:
+    """A sibling of the model folder `path` ("<path>-tok") with its files as symlinks plus fdlite's shipped Qwen3
+    tokenizer (tokenizer.json gunzipped from fdlite/assets/qwen3_tokenizer/, and tokenizer_config.json), so an
+    `LLM` on it has text (bad_words, structured outputs), while `path` stays what the other sections load."""
+    from hf_models import add_qwen3_tokenizer  # noqa: PLC0415
+
+    src = os.path.abspath(path)
+    dst = src.rstrip("/") + "-tok"
+    if os.path.isfile(os.path.join(dst, "tokenizer_config.json")):  # written last
+        return dst
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name not in ("tokenizer.json", "tokenizer_config.json") and not os.path.lexists(os.path.join(dst, name)):
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    return add_qwen3_tokenizer(dst)
 
 
 def qwen3_06b() -> str:
@@ -154,6 +196,75 @@ def hf_prefill_logprobs(path: str, prompts: list[list[int]], dtype: str = "float
     return out
 
 
+def hf_model(path: str):
+    """transformers' fp32 model of `path` on HF_DEVICE (TF32 off), loaded once per path."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    if path not in _HF_MODELS:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        _HF_MODELS[path] = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32).to(HF_DEVICE).eval()
+    return _HF_MODELS[path]
+
+
+_HF_MODELS: dict = {}
+
+
+def hf_greedy_processed(path: str, prompts: list[list[int]], max_new: int, processors, eos: int | None = None):
+    """Greedy continuation of each prompt alone, fp32, with the last logits passed through `processors(prompt_len)`
+    (transformers-style callables (input_ids, scores) -> scores, input_ids being prompt + output) before the
+    argmax; stops after sampling `eos` (kept in the output, as fdlite's token_ids keep it). Returns the tokens and
+    each step's top-2 gap of the processed logits."""
+    import torch  # noqa: PLC0415
+
+    model = hf_model(path)
+    toks, gaps = [], []
+    with torch.no_grad():
+        for ids in prompts:
+            seq = torch.tensor([ids], device=HF_DEVICE)
+            procs = processors(len(ids))
+            x, past, out, gap = seq, None, [], []
+            for _ in range(max_new):
+                o = model(x, past_key_values=past, use_cache=True)
+                past = o.past_key_values
+                scores = o.logits[:, -1].float()
+                for proc in procs:
+                    scores = proc(seq, scores)
+                top2 = torch.topk(scores[0], 2).values
+                tok = int(torch.argmax(scores[0]))
+                gap.append(float(top2[0] - top2[1]))
+                out.append(tok)
+                x = torch.tensor([[tok]], device=HF_DEVICE)
+                seq = torch.cat([seq, x], 1)
+                if tok == eos:
+                    break
+            toks.append(out)
+            gaps.append(gap)
+    return toks, gaps
+
+
+def presence_frequency(prompt_len: int, presence: float, frequency: float):
+    """vLLM's (and OpenAI's) rule over the output tokens only: logit -= frequency * count + presence * (count > 0)."""
+    import torch  # noqa: PLC0415
+
+    def proc(input_ids, scores):
+        counts = torch.bincount(input_ids[0, prompt_len:], minlength=scores.shape[-1]).to(scores.dtype)[None]
+        return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
+    return proc
+
+
+def only_allowed(allowed: list[int]):
+    import torch  # noqa: PLC0415
+
+    def proc(input_ids, scores):
+        keep = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+        keep[allowed] = True
+        return scores.masked_fill(~keep, float("-inf"))
+    return proc
+
+
 # ---- fdlite ----------------------------------------------------------------------------------------
 
 def mixed_prompts(n: int, seed: int, vocab: int, max_len: int) -> list[list[int]]:
@@ -174,7 +285,8 @@ def compare(got: list[list[int]], ref: list[list[int]], gaps: list[list[float]],
         if g == r:
             exact += 1
             continue
-        j = next(k for k in range(min(len(g), len(r))) if g[k] != r[k]) if len(g) == len(r) else 0
+        j = next((k for k in range(min(len(g), len(r))) if g[k] != r[k]), min(len(g), len(r)))  # lengths may differ
+        j = min(j, len(gaps[i]) - 1)
         (near_ties if gaps[i][j] < tie else bad).append({"prompt": i, "position": j, "ref_top2_gap": gaps[i][j]})
     return {"prompts": len(got), "exact": exact, "near_ties": near_ties, "mismatches": bad[:10],
             "num_mismatches": len(bad), "pass": not bad}
@@ -599,46 +711,86 @@ def section_breakdown():
 
 
 # ---- sampling features at full speed (device-side logits processors) ---------------------------
+
+# The nested schema of benchmarks/structured_outputs.py (objects, arrays, enums, numbers, required).
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "status": {"enum": ["active", "inactive", "pending"]},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "owner": {"type": "object", "properties": {
+            "name": {"type": "string"}, "email": {"type": "string"},
+            "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                        "required": ["city"]}},
+            "required": ["name", "address"]},
+        "items": {"type": "array", "items": {"type": "object", "properties": {
+            "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}, "price": {"type": "number"}},
+            "required": ["sku", "qty"]}},
+    },
+    "required": ["id", "name", "status", "owner", "items"],
+}
+
+
 def section_sampling():
-    """Each sampling feature's output tokens/s beside plain temperature sampling, in one process (one `LLM`):
-    128 of the protocol's prompts, 128 output tokens each (`ignore_eos` unless a case needs EOS), graphs on;
-    then a JSON-schema batch of 64 beside its unconstrained twin."""
+    """Each sampling feature's output tokens/s beside plain temperature sampling, in one process (one `LLM`, with
+    the shipped Qwen3 tokenizer for the cases that need text): 128 of the protocol's prompts (token ids), 128
+    output tokens each (`ignore_eos` unless a case needs EOS), graphs on; then a JSON-schema batch of 64 beside
+    its unconstrained twin."""
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
 
     state = {}
 
     def startup():
-        state["llm"] = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256,
+        state["llm"] = LLM(with_qwen3_tokenizer(qwen3_06b()), device=FDL_DEVICE, max_num_seqs=256,
                            max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True)
         return {"kv_blocks": state["llm"].num_blocks}
 
     prompts, _ = protocol(n=128)
     base = dict(max_tokens=128, ignore_eos=True)
-    cases = {
-        "temperature=0.6": dict(temperature=0.6),
-        "temperature=0.7, top_p=0.8, top_k=20": dict(temperature=0.7, top_p=0.8, top_k=20),
-        "+ repetition_penalty=1.05": dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
-        "presence_penalty=1.5": dict(temperature=0.7, presence_penalty=1.5),
-        "frequency_penalty=0.5": dict(temperature=0.6, frequency_penalty=0.5),
-        "min_tokens=64 (EOS banned until then)": dict(temperature=0.6, min_tokens=64, ignore_eos=False),
-        "logprobs=5": dict(temperature=0.6, logprobs=5),
-        "logit_bias (10 tokens)": dict(temperature=0.6, logit_bias={t: 2.0 for t in range(1000, 1010)}),
-        "allowed_token_ids (1,000 tokens)": dict(temperature=0.6, allowed_token_ids=list(range(5000, 6000))),
+    bad_words = ["the", "and", "of", "to", "in", "is", "that", "it", "for", "with"]
+    cases = {  # name: (params over `base`, number of prompts)
+        "temperature=0.6": (dict(temperature=0.6), 128),
+        "temperature=0.7, top_p=0.8, top_k=20": (dict(temperature=0.7, top_p=0.8, top_k=20), 128),
+        "+ repetition_penalty=1.05": (dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05), 128),
+        "presence_penalty=1.5": (dict(temperature=0.7, presence_penalty=1.5), 128),
+        "frequency_penalty=0.5": (dict(temperature=0.6, frequency_penalty=0.5), 128),
+        "min_tokens=64 (EOS banned until then)": (dict(temperature=0.6, min_tokens=64, ignore_eos=False), 128),
+        "logprobs=5": (dict(temperature=0.6, logprobs=5), 128),
+        "logprobs=20": (dict(temperature=0.6, logprobs=20), 128),
+        "logit_bias (10 tokens)": (dict(temperature=0.6, logit_bias={t: 2.0 for t in range(1000, 1010)}), 128),
+        "allowed_token_ids (1,000 tokens)": (dict(temperature=0.6, allowed_token_ids=list(range(5000, 6000))), 128),
+        "bad_words (10 words)": (dict(temperature=0.6, bad_words=bad_words), 128),
+        # the twin first: the same batch, the same lengths cap, no grammar (and no EOS, as a random model's
+        # unconstrained text rarely stops); structured outputs refuse ignore_eos
+        "json twin (unconstrained), batch 64": (dict(temperature=0.6), 64),
+        "json schema, batch 64": (dict(temperature=0.6, ignore_eos=False,
+                                       structured_outputs={"json": JSON_SCHEMA}), 64),
     }
 
-    def bench(kw):
+    def bench(kw, n):
         def f():
             llm = state["llm"]
             params = SamplingParams(**{**base, **kw})
             warm = {**base, **kw, "max_tokens": 4, "min_tokens": 0}
             llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], SamplingParams(**warm), use_tqdm=False)
             t = time.time()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params, use_tqdm=False)
             s = time.time() - t
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            res = {"output_tokens": n, "generate_s": round(s, 2), "output_tokens_per_s": round(n / s, 1)}
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            res = {"requests": n, "output_tokens": tokens, "generate_s": round(s, 2),
+                   "output_tokens_per_s": round(tokens / s, 1)}
             if "allowed_token_ids" in kw:  # the mask really held
                 res["all_tokens_allowed"] = all(set(o.outputs[0].token_ids) <= set(kw["allowed_token_ids"]) for o in outs)
+            if "structured_outputs" in kw:  # what the grammar let through: each finished output parses
+                stopped = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+                parsed = sum(_parses(c.text) for c in stopped)
+                res.update(finished_stop=len(stopped), parse_json=sum(_parses(o.outputs[0].text) for o in outs),
+                           stopped_and_parse=parsed,
+                           all_start_with_brace=all(o.outputs[0].text.lstrip().startswith("{") for o in outs))
+                res["pass"] = parsed == len(stopped) and res["all_start_with_brace"]
             return res
         return f
 
@@ -646,26 +798,224 @@ def section_sampling():
     if "llm" not in state:
         return
     wanted = [w for w in ARGS.cases.split(",") if w]
-    run("warm-up run (plain, not counted)", bench(cases["temperature=0.6"]))
-    for name, kw in cases.items():
+    run("warm-up run (plain, not counted)", bench(*cases["temperature=0.6"]))
+    for name, (kw, n) in cases.items():
         if not wanted or any(w in name for w in wanted):
-            run(name, bench(kw))
+            run(name, bench(kw, n))
     if not wanted or "forced" in wanted:  # logit_bias +100 on one token decides every draw
         def forced():
             outs = state["llm"].generate([{"prompt_token_ids": p} for p in prompts[:8]], SamplingParams(
                 temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, logit_bias={4242: 100.0}), use_tqdm=False)
             return {"pass": all(o.outputs[0].token_ids == [4242] * 16 for o in outs)}
         run("forced by logit_bias +100", forced)
-    plain = RES["results"].get("temperature=0.6", {}).get("output_tokens_per_s")
+    results = RES["results"]
+    plain = results.get("temperature=0.6", {}).get("output_tokens_per_s")
     if plain:
-        RES["results"]["share_of_plain"] = {k: round(v["output_tokens_per_s"] / plain, 3)
-                                            for k, v in RES["results"].items() if "output_tokens_per_s" in v}
+        results["share_of_plain"] = {k: round(v["output_tokens_per_s"] / plain, 3)
+                                     for k, v in results.items() if "output_tokens_per_s" in v}
+    twin = results.get("json twin (unconstrained), batch 64", {}).get("output_tokens_per_s")
+    constrained = results.get("json schema, batch 64", {}).get("output_tokens_per_s")
+    if twin and constrained:
+        results["json_share_of_twin"] = {"json_tokens_per_s": constrained, "twin_tokens_per_s": twin,
+                                         "share": round(constrained / twin, 3)}
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+# ---- sampling features: correctness against independent references -------------------------------
+
+def logprob_problems(d: dict, ref, token: int, k: int, where: str, tol: float = 1e-4) -> tuple[list, float]:
+    """What is wrong with one position's logprobs `d` (token id -> Logprob: `token` plus the top `k`) against the
+    reference log-softmax row `ref` (numpy, float64); and the largest value error."""
+    probs = []
+    err = max((abs(lp.logprob - float(ref[t])) for t, lp in d.items()), default=0.0)
+    if err > tol:
+        probs.append(f"{where}: logprob off by {err:.2e}")
+    if token not in d:
+        probs.append(f"{where}: token {token} missing")
+    else:  # its rank: 1 + the reference logprobs strictly above it, give or take ties within tol
+        v = float(ref[token])
+        lo, hi = 1 + int((ref > v + tol).sum()), int((ref >= v - tol).sum())
+        if not lo <= d[token].rank <= hi:
+            probs.append(f"{where}: token {token} rank {d[token].rank}, reference {lo}..{hi}")
+    if k:
+        ours = {t for t, lp in d.items() if lp.rank is not None and lp.rank <= k}
+        order = np.argsort(-ref, kind="stable")
+        kth = float(ref[order[k - 1]])
+        odd = [t for t in ours ^ set(order[:k].tolist()) if abs(float(ref[t]) - kth) >= tol]  # not near-ties
+        if odd or len(ours) < k:
+            probs.append(f"{where}: top-{k} has {len(ours)} ids, {len(odd)} beyond near-ties of the reference's")
+    return probs, err
+
+
+def section_sampling_checks():
+    """Sampling features on the device against references that share no code with fdlite: greedy fp32 under
+    each logits processor vs transformers' processors (or a few lines of torch), token-identical; seeded
+    sampling with penalties, eager vs CUDA graphs; logprobs and prompt logprobs vs transformers' log_softmax."""
+    import torch  # noqa: PLC0415
+    import transformers as tf  # noqa: PLC0415
+
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+
+    # -- a. greedy under each processor, one LLM on the small qwen3 with a real EOS id --------------------
+    state = {}
+    path = small_model("qwen3")
+    prompts = mixed_prompts(16, seed=21, vocab=1024, max_len=300)
+    n_new, min_tokens = 24, 8
+    bias = {t: 5.0 for t in (7, 100, 333, 512, 1000)}
+    allowed = np.random.default_rng(3).choice(np.arange(3, 1024), 200, replace=False).tolist()
+
+    def setup():
+        plain, _ = hf_greedy(path, prompts, n_new, "float32")
+        # EOS: the token plain greedy takes most often before min_tokens, so that the ban matters
+        from collections import Counter  # noqa: PLC0415
+
+        eos, hits = Counter(t for p in plain for t in p[:min_tokens]).most_common(1)[0]
+        state.update(plain=plain, eos=eos)
+        state["llm"] = LLM(with_eos(path, eos), device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True,
+                           max_num_seqs=16, block_size=16, max_model_len=512, num_gpu_blocks_override=400)
+        return {"eos_token_id": eos, "prompts_with_eos_before_min_tokens": sum(eos in p[:min_tokens] for p in plain),
+                "times_before_min_tokens": hits}
+
+    def greedy_case(kw, processors, uses_eos=False):
+        def f():
+            params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=not uses_eos, **kw)
+            outs = state["llm"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            got = [o.outputs[0].token_ids for o in outs]
+            ref, gaps = hf_greedy_processed(path, prompts, n_new, processors, state["eos"] if uses_eos else None)
+            res = compare(got, ref, gaps)
+            if uses_eos:  # min_tokens: the effect is EOS held back, then taken
+                eos = state["eos"]
+                unheld, _ = hf_greedy_processed(path, prompts, n_new, lambda n: processors(n)[:-1], eos)
+                res.update(prompts_held_by_min_tokens=sum(t[-1] == eos and len(t) <= min_tokens for t in unheld),
+                           lengths=[len(g) for g in got],
+                           finished_stop=sum(o.outputs[0].finish_reason == "stop" for o in outs))
+                res["pass"] = (res["pass"] and res["prompts_held_by_min_tokens"] > 0
+                               and all(len(g) == n_new or (g[-1] == eos and len(g) > min_tokens) for g in got))
+            else:  # the feature changed something, else the case proves nothing
+                res["prompts_changed_vs_plain_greedy"] = sum(g != p for g, p in zip(got, state["plain"]))
+                res["pass"] = res["pass"] and res["prompts_changed_vs_plain_greedy"] > 0
+            if "allowed_token_ids" in kw:
+                res["pass"] = res["pass"] and all(set(g) <= set(allowed) for g in got)
+            return res
+        return f
+
+    run("startup (penalties, small qwen3 fp32)", setup)
+    if "llm" in state:
+        eos = state["eos"]
+        # bad_words need a tokenizer (fdlite tokenizes the words), which the small models have none of: the
+        # ban mechanism is covered by min_tokens' EOS ban here and by allowed_token_ids (every other token
+        # masked) vs a torch mask; bad_words' throughput runs in section_sampling, with the Qwen3 tokenizer.
+        greedy_cases = {
+            "repetition": (dict(repetition_penalty=1.3), lambda n: [tf.RepetitionPenaltyLogitsProcessor(1.3)], False),
+            "presence_frequency": (dict(presence_penalty=1.5, frequency_penalty=0.5),
+                                   lambda n: [presence_frequency(n, 1.5, 0.5)], False),
+            # EOS made likely by a +3 logit_bias (half the prompts would take it before min_tokens), the ban last
+            "min_tokens": (dict(min_tokens=min_tokens, logit_bias={eos: 3.0}),
+                           lambda n: [tf.SequenceBiasLogitsProcessor([[[eos], 3.0]]),
+                                      tf.MinNewTokensLengthLogitsProcessor(n, min_tokens, eos, device=HF_DEVICE)], True),
+            "logit_bias": (dict(logit_bias=bias),
+                           lambda n: [tf.SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])], False),
+            "allowed_token_ids": (dict(allowed_token_ids=allowed), lambda n: [only_allowed(allowed)], False),
+            # vLLM's order: repetition, then frequency and presence, then logit_bias
+            "combined": (dict(repetition_penalty=1.3, presence_penalty=1.5, frequency_penalty=0.5, logit_bias=bias),
+                         lambda n: [tf.RepetitionPenaltyLogitsProcessor(1.3), presence_frequency(n, 1.5, 0.5),
+                                    tf.SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])], False),
+        }
+        for name, (kw, procs, uses_eos) in greedy_cases.items():
+            run(f"penalties_vs_transformers_{name}", greedy_case(kw, procs, uses_eos))
+    state.clear()
+    _HF_MODELS.clear()
+
+    # -- b. seeded sampling with penalties: eager and CUDA graphs draw the same tokens ---------------------
+    def seeded():
+        rng = np.random.default_rng(12)
+        ps = [rng.integers(3, 1024, size=int(k)).tolist() for k in (5, 40, 100, 17, 64, 250, 1, 33)]
+        params = [SamplingParams(temperature=0.8, seed=100 + i, repetition_penalty=1.2, presence_penalty=0.5,
+                                 frequency_penalty=0.3, max_tokens=200, ignore_eos=True) for i in range(len(ps))]
+        common = dict(device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=8, block_size=16,
+                      max_model_len=1024, num_gpu_blocks_override=300)
+        eager = LLM(path, **common)
+        want = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                                use_tqdm=False)]
+        del eager
+        llm = LLM(path, use_cudagraph=True, **common)
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                             use_tqdm=False)]
+        st = llm.last_generate_stats
+        del llm
+        steps, replays = st.get("num_steps") or 0, st.get("cudagraph_replays") or 0
+        res = {"identical": got == want, "tokens": sum(map(len, got)), "steps": steps, "cudagraph_replays": replays,
+               "distinct_sequences": len({tuple(g) for g in got}),
+               "identical_rows": sum(g == w for g, w in zip(got, want))}
+        # graphs on the GPU only (the CPU dry run ignores use_cudagraph; the identity must hold all the same)
+        res["pass"] = bool(res["identical"] and res["distinct_sequences"] == len(ps)
+                           and (FDL_DEVICE != "gpu" or replays >= 0.9 * steps))
+        return res
+
+    run("seeded_penalties_eager_vs_graphs", seeded)
+
+    # -- c. logprobs and prompt logprobs vs transformers' log_softmax ---------------------------------
+    def logprobs_case(family):
+        def f():
+            fpath = small_model(family)
+            rng = np.random.default_rng({"qwen2": 41, "qwen3": 42, "llama": 43}[family])
+            ps = [rng.integers(3, 1024, size=k).tolist() for k in (1, 2, 15, 16, 17, 33, 64, 65, 100, 129, 200, 300)]
+            shared = rng.integers(3, 1024, size=40).tolist()  # prefix-cache hits (two full blocks of 16)
+            ps += [shared + rng.integers(3, 1024, size=k).tolist() for k in (1, 10, 30, 90)]
+            # a 64-token step budget: the long prompts are prefilled in chunks; prefix caching on (default)
+            llm = LLM(fpath, device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=8,
+                      block_size=16, max_model_len=512, max_num_batched_tokens=64, num_gpu_blocks_override=200)
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=20, prompt_logprobs=5)
+            outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+            st = llm.last_generate_stats
+            del llm
+            model = hf_model(fpath)
+            problems, max_err, greedy_off = [], 0.0, 0
+            for i, (p, o) in enumerate(zip(ps, outs)):
+                c = o.outputs[0]
+                with torch.no_grad():
+                    logits = model(torch.tensor([p + c.token_ids], device=HF_DEVICE)).logits[0].double()
+                ref = torch.log_softmax(logits, -1).cpu().numpy()
+                if len(c.logprobs or []) != len(c.token_ids):
+                    problems.append(f"prompt {i}: {len(c.logprobs or [])} logprob entries for {len(c.token_ids)} tokens")
+                for k, (tok, d) in enumerate(zip(c.token_ids, c.logprobs or [])):
+                    row = ref[len(p) - 1 + k]
+                    greedy_off += int(tok != int(row.argmax()) and row.max() - row[tok] >= 1e-4)
+                    pr, err = logprob_problems(d, row, tok, 20, f"prompt {i} output {k}")
+                    problems += pr
+                    max_err = max(max_err, err)
+                pl = o.prompt_logprobs
+                if pl is None or len(pl) != len(p) or pl[0] is not None:
+                    problems.append(f"prompt {i}: prompt_logprobs {None if pl is None else len(pl)} entries for "
+                                    f"{len(p)} tokens (the first must be None)")
+                    continue
+                for j in range(1, len(p)):
+                    if len(pl[j]) not in (5, 6):
+                        problems.append(f"prompt {i} prompt token {j}: {len(pl[j])} entries")
+                    pr, err = logprob_problems(pl[j], ref[j - 1], p[j], 5, f"prompt {i} prompt token {j}")
+                    problems += pr
+                    max_err = max(max_err, err)
+            return {"prompts": len(ps), "max_abs_err": max_err, "greedy_not_argmax_beyond_ties": greedy_off,
+                    "num_problems": len(problems), "problems": problems[:10], "steps": st.get("num_steps"),
+                    "prefix_cache_hit_tokens": st.get("prefix_cache_hit_tokens"),
+                    "pass": not problems and not greedy_off}
+        return f
+
+    for fam in ("qwen2", "qwen3", "llama"):
+        run(f"logprobs_vs_transformers_{fam}", logprobs_case(fam))
 
 
 if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
      "throughput": section_throughput, "diag": section_diag, "breakdown": section_breakdown,
-     "sampling": section_sampling}[ARGS.section]()
+     "sampling": section_sampling, "sampling_checks": section_sampling_checks}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))
