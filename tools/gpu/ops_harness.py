@@ -837,11 +837,11 @@ def t_logprobs(N, V, k, ties=False):
 
         x = (rng.standard_normal((N, V)) * 4).astype(np.float32)
         if ties:
-            x[0, [3, 70, 900, V - 1]] = 30.0  # a four-way tie at the top
+            x[0, [3 % V, 70 % V, 900 % V, V - 1]] = 30.0  # a tie at the top
             x[1, :] = 0.0  # every token tied
         rows = np.arange(N, dtype=np.int64)[::-1].copy()  # rows out of order
         targets = rng.integers(0, V, N).astype(np.int64)
-        targets[0] = 900
+        targets[0] = 900 % V
         of = np.arange(N, dtype=np.int64)
         g = to_gpu(x, "float32")
         out = G.logprobs(g, to_gpu(rows, "int64"), to_gpu(targets, "int64"), to_gpu(of, "int64"), k)
