@@ -59,11 +59,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the output processor and the scheduler's update. At cb8af1a "schedule" also applied the diff and
 # "output" was `Engine._take_tokens`. Before the redesign output processing (detokenization, stop checks)
 # is inlined in Engine.step, so its exclusive time (the step minus the phases timed inside it) is the
-# output-processing row there.
+# output-processing row there. "forward" is the runner's execute without the sampler inside it (the forward
+# and the LM head), or its forward where there is no execute.
 PHASES: dict[str, list[str]] = {
     "schedule": ["Engine._schedule", "Scheduler.schedule"],
     "inputs": ["Worker.prepare", "InputBatch.prepare_inputs", "build_inputs"],
-    "forward": ["ModelRunner.forward"],
+    "forward": ["ModelRunner.execute", "ModelRunner.forward"],  # execute's own time: the forward and LM head
     "sample": ["Sampler.__call__"],
     "output": ["Engine._postprocess", "Engine._take_tokens", "Engine.step"],
 }
@@ -253,7 +254,11 @@ def stub_forward(llm) -> None:
         n = len(flat.logits_indices)
         return logits[:n] if n else None
 
-    llm.runner.forward = forward
+    llm.runner.forward = forward  # the step's forward up to cb8af1a and at 33a11e1
+    # Since prompt logprobs the step takes the hidden states, then the LM head: the "hidden states" here are the
+    # flat batch itself, and the LM head the fixed logits of its sampling rows.
+    llm.runner.forward_hidden = lambda flat, use_graphs=True: (flat, None)
+    llm.runner.model.compute_logits = lambda flat, indices: logits[: len(flat.logits_indices)]
 
 
 def cases_from(args) -> list[Case]:
