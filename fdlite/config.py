@@ -44,11 +44,21 @@ class GraphOptimizationConfig:
     """FastDeploy's `graph_optimization_config`: static graph level and CUDA-graph capture."""
 
     graph_opt_level: int = _opt(0, "0: dynamic graph; 1: static graph via SOT; 2: static graph + CINN compiler.")
-    use_cudagraph: bool = _opt(False, "Capture CUDA graphs per padded decode batch size (GPU only).")
+    use_cudagraph: bool | None = _opt(
+        None, "Capture CUDA graphs (GPU only): decode steps per padded batch size, steps with prefill tokens per padded "
+        "token count. Default: on where graphs can run (FastDeploy's default since 2.3), silently off elsewhere; "
+        "true asks for them (a warning where they cannot run), false turns them off.")
     cudagraph_capture_sizes: list[int] | None = _opt(
         None, "Batch sizes to capture; default: FastDeploy's candidate list cut to [1, max_num_seqs]."
     )
-    cudagraph_only_prefill: bool = _opt(False, "Capture prefill-only batches keyed by token count instead of decode.")
+    cudagraph_mixed_capture_sizes: list[int] | None = _opt(
+        None, "Token counts captured for steps that hold prefill tokens (prefill and decode rows mixed, or prefill "
+        "only); such a step runs in the smallest size >= its tokens, above the largest eagerly; [] for none. Default: "
+        "16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192 cut to max_num_batched_tokens, "
+        "and max_num_batched_tokens itself up to 8192.")
+    cudagraph_only_prefill: bool = _opt(
+        False, "Capture only token-count graphs (prefill and mixed steps; sizes from cudagraph_capture_sizes and "
+        "max_capture_size), no decode graphs.")
     max_capture_size: int | None = _opt(None, "Largest size captured (default: max_num_seqs, or 512 for prefill).")
     verify_cudagraph: bool = _opt(
         True, "At startup, replay each captured graph on fresh inputs and fail if it disagrees with the eager forward."
@@ -57,17 +67,17 @@ class GraphOptimizationConfig:
     def __post_init__(self) -> None:
         if self.graph_opt_level not in (0, 1, 2):
             raise ValueError(f"graph_optimization_config.graph_opt_level must be 0, 1 or 2, got {self.graph_opt_level!r}")
-        for name in ("use_cudagraph", "cudagraph_only_prefill", "verify_cudagraph"):
+        if self.use_cudagraph is not None and not isinstance(self.use_cudagraph, bool):
+            raise ValueError(f"graph_optimization_config.use_cudagraph must be a bool or None, got {self.use_cudagraph!r}")
+        for name in ("cudagraph_only_prefill", "verify_cudagraph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"graph_optimization_config.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.cudagraph_capture_sizes is not None:
-            sizes = self.cudagraph_capture_sizes
-            if not isinstance(sizes, list) or not sizes or any(
-                not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes
-            ):
-                raise ValueError(
-                    f"graph_optimization_config.cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}"
-                )
+        for name, empty_ok in (("cudagraph_capture_sizes", False), ("cudagraph_mixed_capture_sizes", True)):
+            sizes = getattr(self, name)
+            if sizes is not None and (not isinstance(sizes, list) or (not sizes and not empty_ok) or any(
+                    not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes)):
+                what = "a list" if empty_ok else "a non-empty list"
+                raise ValueError(f"graph_optimization_config.{name} must be {what} of positive ints, got {sizes!r}")
         if self.max_capture_size is not None and (
             not isinstance(self.max_capture_size, int) or isinstance(self.max_capture_size, bool) or self.max_capture_size < 1
         ):
@@ -160,7 +170,8 @@ class EngineConfig:
     graph_optimization_config: GraphOptimizationConfig = _opt(
         None, "Graph optimization: dict or JSON with graph_opt_level, use_cudagraph, cudagraph_capture_sizes."
     )
-    use_cudagraph: bool = _opt(False, "Shorthand for graph_optimization_config's use_cudagraph (FastDeploy's --use-cudagraph).")
+    use_cudagraph: bool | None = _opt(
+        None, "Shorthand for graph_optimization_config's use_cudagraph (FastDeploy's --use-cudagraph); None leaves it.")
     enable_custom_all_reduce: bool = _opt(False, "Use fdlite's CUDA-graph-safe custom all-reduce across GPUs (NCCL, with one log line, where it is not built).")
     max_logprobs: int = _opt(
         20, "Most logprobs or prompt_logprobs a request may ask for (vLLM's name and default; at most 20, the GPU "
@@ -169,10 +180,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.graph_optimization_config = GraphOptimizationConfig.parse(self.graph_optimization_config)
-        if not isinstance(self.use_cudagraph, bool):
-            raise ValueError(f"use_cudagraph must be a bool, got {self.use_cudagraph!r}")
-        if self.use_cudagraph:
-            self.graph_optimization_config.use_cudagraph = True
+        if self.use_cudagraph is not None and not isinstance(self.use_cudagraph, bool):
+            raise ValueError(f"use_cudagraph must be a bool or None, got {self.use_cudagraph!r}")
+        if self.use_cudagraph is not None:
+            self.graph_optimization_config.use_cudagraph = self.use_cudagraph
         positive = ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size",
                     "max_num_partial_prefills", "max_long_partial_prefills")
         for name in positive:

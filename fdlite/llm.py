@@ -115,6 +115,8 @@ class LLM:
             total_block_num=num_blocks, kv_token_capacity=num_blocks * self.config.block_size,
             bytes_per_block=self.runner.bytes_per_block,
             cudagraph_sizes=sorted(self.runner.graph_runner.graphs) if self.runner.graph_runner else [],
+            cudagraph_mixed_sizes=(sorted(self.runner.mixed_graph_runner.graphs) if self.runner.mixed_graph_runner
+                                   else []),
             sot_translations=(self.phases.probe_at("end", "graph_optimization", "sot_translations")
                               - self.phases.probe_at("begin", "load_weights", "sot_translations")),
             total_s=time.perf_counter() - t_start,

@@ -4,8 +4,8 @@ import numpy as np
 import paddle
 import pytest
 
-from fdlite.graph.capture_sizes import (decode_capture_sizes, padded_size, prefill_capture_sizes,
-                                        worst_case_prefill_split)
+from fdlite.graph.capture_sizes import (decode_capture_sizes, mixed_capture_sizes, padded_size,
+                                        prefill_capture_sizes, random_split, worst_case_prefill_split)
 from fdlite.layers.forward_meta import FlatBatch
 from fdlite.runner.forward_buffers import ForwardBuffers
 
@@ -48,6 +48,32 @@ def test_worst_case_prefill_split():
     assert worst_case_prefill_split(10, 4) == [1, 1, 1, 7]
     assert worst_case_prefill_split(3, 8) == [1, 1, 1]
     assert sum(worst_case_prefill_split(512, 64)) == 512
+
+
+def test_worst_case_split_keeps_each_row_within_its_block_table():
+    # 2048 tokens, 8 rows of at most 256: as many one-token rows as leave room for the rest.
+    lens = worst_case_prefill_split(2048, 8, max_len=256)
+    assert sum(lens) == 2048 and len(lens) == 8 and max(lens) <= 256
+    lens = worst_case_prefill_split(300, 8, max_len=256)
+    assert lens == [1] * 6 + [147, 147]
+    assert worst_case_prefill_split(300, 8, max_len=1024) == [1] * 7 + [293]
+    with pytest.raises(ValueError):
+        worst_case_prefill_split(2049, 8, max_len=256)
+
+
+def test_random_splits_fit_the_rows_and_lengths():
+    rng = np.random.default_rng(0)
+    for n, rows, max_len in [(2048, 8, 256), (7, 8, 256), (100, 3, 40), (64, 64, 1), (5000, 256, 4096)]:
+        for _ in range(20):
+            parts = random_split(n, rows, max_len, rng)
+            assert sum(parts) == n and len(parts) <= rows and max(parts) <= max_len and parts == sorted(parts)
+
+
+def test_mixed_sizes_are_token_counts_up_to_the_step_budget():
+    assert mixed_capture_sizes(8192) == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    assert mixed_capture_sizes(2048)[-1] == 2048 and mixed_capture_sizes(1000)[-2:] == [768, 1000]
+    assert mixed_capture_sizes(16384)[-1] == 8192  # above it steps run eagerly
+    assert mixed_capture_sizes(8192, user_sizes=[100, 9000]) == [100] and mixed_capture_sizes(512, user_sizes=[]) == []
 
 
 def test_padded_rows_write_and_read_only_the_scratch_block():

@@ -8,6 +8,7 @@ context, SOT inside capture) is the same code that runs on a GPU; only the graph
 import logging
 
 import numpy as np
+import paddle
 import pytest
 
 import fdlite.runner.cudagraph_runner as cudagraph_runner
@@ -94,7 +95,10 @@ def test_top_level_use_cudagraph_is_fastdeploys_shorthand():
     assert EngineConfig(use_cudagraph=True).graph_optimization_config.use_cudagraph is True
     cfg = EngineConfig(use_cudagraph=True, graph_optimization_config='{"graph_opt_level": 1}')
     assert cfg.graph_optimization_config.use_cudagraph and cfg.graph_optimization_config.graph_opt_level == 1
-    assert EngineConfig().graph_optimization_config.use_cudagraph is False
+    # Default: None, on where graphs can run (FastDeploy's default since 2.3); False turns them off.
+    assert EngineConfig().graph_optimization_config.use_cudagraph is None
+    assert EngineConfig(use_cudagraph=False, graph_optimization_config={"use_cudagraph": True}
+                        ).graph_optimization_config.use_cudagraph is False
     with pytest.raises(ValueError, match="use_cudagraph must be a bool"):
         EngineConfig(use_cudagraph="yes")
 
@@ -123,14 +127,19 @@ def graph_llm(qwen3):
         mp.undo()
 
 
-def test_decode_graphs_give_identical_tokens(graph_llm, eager_tokens):
+def test_decode_and_mixed_graphs_give_identical_tokens(graph_llm, eager_tokens):
     assert graph_llm.startup_report["cudagraph_sizes"] == [1, 2, 4, 8]
-    before = graph_llm.runner.graph_runner.num_replays
+    # Steps with prefill tokens: the default token counts, cut to max_num_batched_tokens (2048 here).
+    assert graph_llm.startup_report["cudagraph_mixed_sizes"] == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    decode, mixed = graph_llm.runner.graph_runner, graph_llm.runner.mixed_graph_runner
+    before = decode.num_replays, mixed.num_replays
     assert tokens(graph_llm.generate(prompts(24), GREEDY, use_tqdm=False)) == eager_tokens
-    assert graph_llm.runner.graph_runner.num_replays > before
     stats = graph_llm.last_generate_stats
-    assert stats["cudagraph_replays"] == graph_llm.runner.graph_runner.num_replays - before
-    # Eager steps (prefills) run the translated function; the stand-in's replays call it again too.
+    assert decode.num_replays > before[0] and mixed.num_replays > before[1]
+    # Every step replayed a graph: 24 prompts over 8 rows join while others decode (mixed steps).
+    assert stats["cudagraph_replays"] == decode.num_replays + mixed.num_replays - sum(before) == stats["num_steps"]
+    assert stats["cudagraph_mixed_replays"] == mixed.num_replays - before[1]
+    # The stand-in's replays call the translated function (SOT) too.
     assert stats["sot_calls"] == stats["num_steps"]
 
 
@@ -148,7 +157,9 @@ def test_padded_decode_graphs_give_identical_tokens(qwen3, monkeypatch):
     assert tokens(graph.generate(batch, params, use_tqdm=False)) == tokens(eager.generate(batch, params, use_tqdm=False))
     gr = graph.runner.graph_runner
     assert gr.replays_by_size == {(8, 7): 1, (8, 6): 1, (8, 5): 1, (4, 4): 1, (4, 3): 1, (2, 2): 1, (1, 1): 1}
-    assert graph.last_generate_stats["cudagraph_padded_replays"] == 4
+    assert gr.num_padded_replays == 4
+    # The first step (eight prompts, 8-29 tokens each) ran in the token-count graph of 256, padded.
+    assert graph.runner.mixed_graph_runner.num_replays == 1 and graph.last_generate_stats["cudagraph_padded_replays"] == 5
     for got, want in zip(graph.runner.kv_cache.caches, eager.runner.kv_cache.caches):
         for g, w in zip(got, want):  # K and V; the last block is the scratch one
             np.testing.assert_allclose(g.numpy()[:-1], w.numpy()[:-1], rtol=1e-4, atol=1e-4)
@@ -184,8 +195,10 @@ def test_startup_order_sot_inside_capture_inside_allreduce_context(graph_llm):
     assert ph.probe_at("end", "cudagraph_capture", "sot_translations") > at["cudagraph_capture"]
     first_translation = ph.index("point", "sot_translate")
     assert first_translation > ph.index("begin", "cudagraph_capture")
-    captured = [e.info["size"] for e in ph.events if e.name == "cudagraph_captured"]
-    assert captured == [8, 4, 2, 1]  # largest first, sharing one pool
+    captured = [(e.info["kind"], e.info["size"]) for e in ph.events if e.name == "cudagraph_captured"]
+    # Largest first in each kind (one pool where Paddle shares one), decode graphs then token-count graphs.
+    assert captured == [("decode", s) for s in (8, 4, 2, 1)] + [
+        ("mixed", s) for s in sorted(graph_llm.startup_report["cudagraph_mixed_sizes"], reverse=True)]
 
 
 def test_graph_buffers_keep_their_addresses(graph_llm, eager_llm):
@@ -228,12 +241,61 @@ def test_verify_rejects_a_graph_that_ignores_new_inputs(qwen3, eager_tokens, mon
     assert got != eager_tokens
 
 
+class CaptureSplitGraph(cudagraph_runner.EagerReplayGraph):
+    """FastDeploy's prefill-graph bug as a stand-in: the replay runs with the split of the tokens into rows that
+    was there at capture (a kernel whose launch grid was sized from it), whatever the batch's split is now."""
+
+    def capture(self, fn, static_inputs=None):
+        bufs = static_inputs()
+        self._split = {k: bufs[k].numpy().copy() for k in ("cu_seqlens_q", "token_rows")}
+        return super().capture(fn, static_inputs)
+
+    def replay(self):
+        bufs = self._static_inputs()
+        now = {k: bufs[k].numpy().copy() for k in self._split}
+        for k, v in self._split.items():
+            paddle.assign(paddle.to_tensor(v), output=bufs[k])
+        try:
+            return super().replay()
+        finally:
+            for k, v in now.items():
+                paddle.assign(paddle.to_tensor(v), output=bufs[k])
+
+
+def test_verify_replays_a_mixed_graph_on_another_split(qwen3, monkeypatch):
+    monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
+    monkeypatch.setattr(cudagraph_runner, "EagerReplayGraph", CaptureSplitGraph)
+    with pytest.raises(RuntimeError, match="CUDA graph self-check failed: the mixed graph for size"):
+        LLM(qwen3, graph_optimization_config={"cudagraph_capture_sizes": [1], "cudagraph_mixed_capture_sizes": [64]},
+            **COMMON)
+
+
+def test_a_churning_job_replays_nearly_every_step_and_matches_eager(qwen3, monkeypatch):
+    """More requests than rows, of mixed lengths: sequences join while others decode, so most steps mix prefill
+    chunks and decodes. With token-count graphs they replay (padded), and the tokens are eager's."""
+    monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
+    rng = np.random.default_rng(9)
+    batch = prompts(48, seed=9, max_len=120)
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(2, 30, size=48)]
+    opts = dict(COMMON, max_num_batched_tokens=96)  # long prompts take several chunks
+    eager = LLM(qwen3, use_cudagraph=False, **opts)
+    want = tokens(eager.generate(batch, params, use_tqdm=False))
+    graph = LLM(qwen3, **opts)  # graphs by default where they can run
+    assert graph.startup_report["cudagraph_mixed_sizes"] == [16, 32, 64, 96]
+    got = tokens(graph.generate(batch, params, use_tqdm=False))
+    st = graph.last_generate_stats
+    assert got == want
+    mixed = graph.runner.mixed_graph_runner
+    assert st["cudagraph_replays"] == st["num_steps"] and st["cudagraph_mixed_replays"] >= st["num_steps"] // 3
+    assert len({tokens for (_, tokens) in mixed.replays_by_size}) >= 10  # many token counts, padded up
+
+
 def test_prefill_only_graphs_keyed_by_token_count(qwen3, eager_tokens, monkeypatch):
     monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
     llm = LLM(qwen3, graph_optimization_config={"use_cudagraph": True, "cudagraph_only_prefill": True,
                                                  "cudagraph_capture_sizes": [16, 64, 256]}, **COMMON)
-    assert llm.startup_report["cudagraph_sizes"] == [16, 64, 256]
-    gr = llm.runner.graph_runner
+    assert llm.startup_report["cudagraph_mixed_sizes"] == [16, 64, 256] and llm.runner.graph_runner is None
+    gr = llm.runner.mixed_graph_runner
     # Eight short prompts arrive together: the first step is prefill-only and runs in a graph.
     short = prompts(8, seed=7, max_len=20)
     ref = LLM(qwen3, **COMMON).generate(short, GREEDY, use_tqdm=False)
@@ -249,7 +311,7 @@ def test_gpu_sizing_formula_through_the_startup_path(qwen3, monkeypatch):
                      DeviceMemory(8 * GiB, 1 * GiB + 2**20, 1 * GiB),  # with it
                      DeviceMemory(8 * GiB, 1 * GiB + 2**20, 2 * GiB)])  # after the dummy prefill
     monkeypatch.setattr(model_runner, "device_memory", lambda: next(readings))
-    llm = LLM(qwen3, gpu_memory_utilization=0.5, **COMMON)
+    llm = LLM(qwen3, gpu_memory_utilization=0.5, use_cudagraph=False, **COMMON)
     per_block = llm.runner.bytes_per_block
     # 8 * 0.5 - (1 GiB + 1 MiB) - (2 GiB - (1 GiB + 1 MiB)) + temporary KV bytes, no graphs.
     assert llm.config.max_num_batched_tokens == 2048  # the chunked-prefill default (8 * 256 fits it)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
+
 # Prefill-only graphs are keyed by token count; FastDeploy's prefill-in-graph change (PR #3459) caps them at 512 tokens by default.
 DEFAULT_MAX_PREFILL_CAPTURE = 512
 
@@ -38,6 +40,20 @@ def decode_capture_sizes(max_num_seqs: int, user_sizes: list[int] | None = None,
     return _cut(min(max_num_seqs, max_capture_size or max_num_seqs), user_sizes)
 
 
+# Token counts of steps with prefill tokens: coarser than the decode list (a step's tokens vary more, and each
+# graph keeps its own activation memory where Paddle has no shared pool), up to 8192 tokens.
+DEFAULT_MIXED_CAPTURE_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+def mixed_capture_sizes(max_num_batched_tokens: int, user_sizes: list[int] | None = None) -> list[int]:
+    """Sorted token counts to capture for steps holding prefill tokens (mixed or prefill-only)."""
+    if user_sizes is not None:
+        return sorted({s for s in user_sizes if s <= max_num_batched_tokens})
+    top = max(DEFAULT_MIXED_CAPTURE_SIZES)
+    sizes = {s for s in DEFAULT_MIXED_CAPTURE_SIZES if s <= max_num_batched_tokens}
+    return sorted(sizes | ({max_num_batched_tokens} if max_num_batched_tokens <= top else set()))
+
+
 def prefill_capture_sizes(max_num_batched_tokens: int, user_sizes: list[int] | None = None,
                           max_capture_size: int | None = None) -> list[int]:
     """Sorted prefill token counts to capture (`cudagraph_only_prefill`)."""
@@ -50,12 +66,36 @@ def padded_size(sizes: list[int], n: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def worst_case_prefill_split(num_tokens: int, max_seqs: int) -> list[int]:
+def worst_case_prefill_split(num_tokens: int, max_seqs: int, max_len: int | None = None) -> list[int]:
     """Token count per sequence for capturing a prefill graph of `num_tokens` (docs/design.md, section "Prefill graphs: the worst-case split").
 
     Kernels whose grid depends on how tokens split across sequences are sized by the worst case:
-    max_seqs - 1 sequences of one token and one holding the rest. Any real split then fits.
+    max_seqs - 1 sequences of one token and one holding the rest. Any real split then fits. With `max_len`
+    (a row's most tokens) the rest is spread over as few rows of at most max_len as hold it.
     """
     if num_tokens <= max_seqs:
         return [1] * num_tokens
-    return [1] * (max_seqs - 1) + [num_tokens - max_seqs + 1]
+    longest = max_len or num_tokens
+    for long_rows in range(1, max_seqs + 1):
+        rest = num_tokens - (max_seqs - long_rows)
+        if rest <= long_rows * longest:
+            return [1] * (max_seqs - long_rows) + even_parts(rest, long_rows)
+    raise ValueError(f"{num_tokens} tokens do not fit {max_seqs} rows of at most {max_len}")
+
+
+def random_split(num_tokens: int, max_seqs: int, max_len: int, rng) -> list[int]:
+    """A random split of `num_tokens` over at most `max_seqs` rows of at most `max_len` tokens, sorted (one-token
+    rows first): what a graph's self-check replays."""
+    fewest = -(-num_tokens // max_len)
+    for _ in range(20):
+        rows = int(rng.integers(fewest, min(num_tokens, max_seqs) + 1))
+        cuts = np.sort(rng.choice(np.arange(1, num_tokens), size=rows - 1, replace=False)) if rows > 1 else []
+        parts = np.diff([0, *cuts, num_tokens])
+        if parts.max() <= max_len:
+            return sorted(parts.tolist())
+    return sorted(even_parts(num_tokens, min(max_seqs, num_tokens) if num_tokens <= max_seqs * max_len else fewest))
+
+
+def even_parts(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]

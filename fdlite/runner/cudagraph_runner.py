@@ -1,11 +1,13 @@
 """CUDA graphs per padded size: static input buffers, capture, verify, and replay of a flat batch.
 
-One runner serves one kind of batch: decode-only batches keyed by batch size, or (with
-`cudagraph_only_prefill`) prefill-only batches keyed by token count. Inside a graph every token is
-its own attention row: it carries its sequence's block table and attends to positions <= its own,
-so one captured graph serves every split of the same token count (FastDeploy's "last request comes
-out garbled" bug was a graph captured for one split and replayed for another). Captures use the
-worst-case split anyway (docs/design.md, section "Prefill graphs: the worst-case split"), and the verify step replays each graph on a different split.
+One runner serves one kind of batch: decode-only batches keyed by batch size, or steps that hold prefill
+tokens (prefill rows alone, or mixed with decode rows) keyed by token count. In a token-count graph the
+kernels' launch configurations depend only on the token count and the row capacity (max_num_seqs): the
+attention kernel takes any split of the tokens into rows, and rows past the batch hold no tokens, so one
+captured graph serves every split of the same token count (FastDeploy's "last request comes out garbled"
+bug was a graph captured for one split and replayed for another). Captures use the worst-case split anyway
+(docs/design.md, section "Prefill graphs: the worst-case split"), and the verify step replays each graph on a
+different split, with decode rows after long contexts beside prefill chunks.
 
 The graphs read the runner's persistent input buffers (`runner/forward_buffers.py`), the same
 tensors eager steps use, written in place every step, so their addresses never change: the
@@ -25,7 +27,7 @@ import paddle
 from fdlite import envs
 from fdlite.graph.cuda import CudaGraph, cuda_graphs_available
 from fdlite.graph.eager_replay import EagerReplayGraph
-from fdlite.graph.capture_sizes import padded_size, worst_case_prefill_split
+from fdlite.graph.capture_sizes import padded_size, random_split, worst_case_prefill_split
 from fdlite.runner.dummy_batch import dummy_batch
 from fdlite.graph.static_graph import translation_count
 from fdlite.kernels.device_tensors import to_numpy_f32
@@ -36,14 +38,15 @@ logger = logging.getLogger("fdlite")
 
 
 class CudaGraphRunner:
-    """Captured graphs of `model_layer` for each size in `sizes` (decode: batch sizes; prefill: token counts)."""
+    """Captured graphs of `model_layer` for each size in `sizes` (decode: batch sizes; mixed: token counts)."""
 
-    def __init__(self, model_layer, kv_cache, buffers: ForwardBuffers, sizes: list[int], prefill: bool,
+    def __init__(self, model_layer, kv_cache, buffers: ForwardBuffers, sizes: list[int], mixed: bool,
                  max_num_seqs: int, graph_factory: Callable[[], object]):
         self.model_layer = model_layer
         self.kv_cache = kv_cache
         self.sizes = sorted(sizes)
-        self.prefill = prefill
+        self.mixed = mixed
+        self.kind = "mixed" if mixed else "decode"
         self.max_num_seqs = max_num_seqs
         self.block_size = kv_cache.block_size
         self.scratch_block = kv_cache.num_blocks
@@ -56,33 +59,35 @@ class CudaGraphRunner:
     # ---- capture -------------------------------------------------------------------------
 
     def _forward(self, size: int, dynamic: bool = False) -> paddle.Tensor:
-        ids, positions, meta = self.buffers.graph_views(size, not self.prefill, self.kv_cache.caches)
+        ids, positions, meta = self.buffers.graph_views(size, not self.mixed, self.kv_cache.caches)
         kwargs = dict(ids_remove_padding=ids, positions=positions, forward_meta=meta)
         if dynamic:  # the eager reference for verification, whatever backend is attached
             return type(self.model_layer).dynamic_forward(self.model_layer, **kwargs)
         return self.model_layer(**kwargs)
 
     def _write(self, batch: FlatBatch, size: int) -> None:
-        self.buffers.write_padded(batch, size, decode=not self.prefill)
+        self.buffers.write_padded(batch, size, decode=not self.mixed)
 
     def dummy_batch(self, size: int, seed: int, worst_case: bool) -> FlatBatch:
         """A batch of `size` tokens with distinct cache slots (so replays are deterministic).
 
         worst_case: the capture split (rows of one token and one long row); otherwise a random
-        split, which is what the verify step replays. Decode rows sit after random-length contexts.
+        split, which is what the verify step replays: for a mixed graph, decode rows after random-length
+        contexts, then prefill chunks, some after a cached context. Decode rows sit after random-length contexts.
         """
         rng = np.random.default_rng(seed)
         bs, nb = self.block_size, self.kv_cache.num_blocks
-        if not self.prefill:
-            longest = min(self.buffers.max_blocks * bs, 4 * bs)
+        longest = min(self.buffers.max_blocks * bs, 4 * bs)
+        if not self.mixed:
             return dummy_batch([int(rng.integers(0, longest)) + 1 for _ in range(size)], bs, nb, decode=True, rng=rng)
+        max_len = self.buffers.max_blocks * bs  # a row's most tokens: its block table's width
         if worst_case:
-            lens = worst_case_prefill_split(size, self.max_num_seqs)
-        else:
-            rows = int(rng.integers(1, min(size, self.max_num_seqs) + 1))
-            cuts = np.sort(rng.choice(np.arange(1, size), size=rows - 1, replace=False)) if rows > 1 else []
-            lens = np.diff([0, *cuts, size]).tolist()
-        return dummy_batch(lens, bs, nb, rng=rng)
+            return dummy_batch(worst_case_prefill_split(size, self.max_num_seqs, max_len), bs, nb, rng=rng)
+        counts = np.asarray(random_split(size, self.max_num_seqs, max_len, rng))  # one-token rows (decodes) first
+        room = np.minimum(max_len - counts, longest)  # a row's context must leave room for its tokens
+        context = np.where(rng.random(len(counts)) < 0.5, rng.integers(0, np.maximum(1, room + 1)), 0)
+        context = np.minimum(np.where(counts == 1, np.maximum(context, 1), context), max_len - counts)
+        return dummy_batch((context + counts).tolist(), bs, nb, rng=rng, computed=context.tolist())
 
     def capture_all(self, recorder=None, verify: bool = True, tolerance: float = 1e-4) -> None:
         """Capture every size, largest first (one shared memory pool), each after an eager warm-up.
@@ -101,11 +106,10 @@ class CudaGraphRunner:
             graph.capture(lambda s=size: self._forward(s), static_inputs=self.buffers.tensors)
             self.graphs[size] = graph
             if recorder is not None:
-                recorder.point("cudagraph_captured", size=size)
+                recorder.point("cudagraph_captured", size=size, kind=self.kind)
             if verify:
                 self.verify(size, tolerance)
-        logger.info("captured %d %s CUDA graphs: sizes %s", len(self.graphs), "prefill" if self.prefill else "decode",
-                    self.sizes)
+        logger.info("captured %d %s CUDA graphs: sizes %s", len(self.graphs), self.kind, self.sizes)
 
     def verify(self, size: int, tolerance: float) -> None:
         """Replay the graph of `size` on new inputs (another split) and compare with the eager forward."""
@@ -116,7 +120,7 @@ class CudaGraphRunner:
         err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
         if not np.isfinite(got).all() or err > tolerance:
             raise RuntimeError(
-                f"CUDA graph self-check failed: the {'prefill' if self.prefill else 'decode'} graph for size {size} "
+                f"CUDA graph self-check failed: the {self.kind} graph for size {size} "
                 f"disagrees with the eager forward (max relative difference {err:.3g} > {tolerance}). "
                 "Run without use_cudagraph, and report this."
             )
@@ -136,8 +140,8 @@ class CudaGraphRunner:
         """The captured size this batch runs in, or None to run it eagerly."""
         if not self.graphs:
             return None
-        if self.prefill:
-            fits = batch.num_decodes == 0 and batch.num_rows <= self.max_num_seqs
+        if self.mixed:  # any split of the tokens over at most max_num_seqs rows
+            fits = batch.num_rows <= self.max_num_seqs
         else:
             fits = batch.num_decodes == batch.num_rows  # decode-only
         return padded_size(self.sizes, batch.num_tokens) if fits else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fdlite.graph.capture_sizes import even_parts
 from fdlite.kvcache.block_allocator import blocks_for
 from fdlite.layers.forward_meta import FlatBatch
 from fdlite.runner.input_batch import flat_batch
@@ -12,9 +13,7 @@ from fdlite.runner.input_batch import flat_batch
 
 def even_split(num_tokens: int, num_seqs: int) -> list[int]:
     """`num_tokens` over at most `num_seqs` sequences, as evenly as possible."""
-    num_seqs = max(1, min(num_seqs, num_tokens))
-    base, extra = divmod(num_tokens, num_seqs)
-    return [base + (1 if i < extra else 0) for i in range(num_seqs)]
+    return even_parts(num_tokens, max(1, min(num_seqs, num_tokens)))
 
 
 def small_prefill_lengths(max_num_seqs: int, max_model_len: int, block_size: int, max_tokens: int) -> list[int]:
@@ -35,11 +34,12 @@ def small_prefill_lengths(max_num_seqs: int, max_model_len: int, block_size: int
 
 
 def dummy_batch(lengths: list[int], block_size: int, num_blocks: int, decode: bool = False,
-                rng: np.random.Generator | None = None) -> FlatBatch:
+                rng: np.random.Generator | None = None, computed: list[int] | None = None) -> FlatBatch:
     """A flat batch of dummy sequences of the given lengths, block tables laid out from block 0.
 
     decode=False: each row prefills its whole length. decode=True: each row computes only its
-    last token, after a cached context of length - 1 (a decode step). Block ids wrap around
+    last token, after a cached context of length - 1 (a decode step). `computed`: each row's cached context
+    instead (the row computes the rest of its length; rows that compute one token must come first). Block ids wrap around
     `num_blocks`: the contents of a dummy run's cache are never read by real requests. Token ids
     are 0, or drawn from `rng` in [0, 100) (a graph's self-check compares two forwards on them).
     """
@@ -47,8 +47,11 @@ def dummy_batch(lengths: list[int], block_size: int, num_blocks: int, decode: bo
     width = blocks_for(int(lengths.max()), block_size)
     starts = np.concatenate([[0], np.cumsum([blocks_for(int(n), block_size) for n in lengths])[:-1]])
     tables = ((starts[:, None] + np.arange(width)) % num_blocks).astype(np.int32)
-    computed = lengths - 1 if decode else np.zeros_like(lengths)
-    counts = np.ones_like(lengths) if decode else lengths
+    if computed is not None:
+        computed = np.asarray(computed, np.int64)
+    else:
+        computed = lengths - 1 if decode else np.zeros_like(lengths)
+    counts = lengths - computed
     shape = (len(lengths), int(lengths.max()))
     tokens = np.zeros(shape, np.int32) if rng is None else rng.integers(0, 100, size=shape).astype(np.int32)
     return flat_batch(tokens, np.arange(len(lengths)), computed, counts, tables, block_size,

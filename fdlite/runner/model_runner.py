@@ -31,7 +31,7 @@ from fdlite.layers.moe import balanced_routing
 from fdlite.kernels.platform import select_device
 from fdlite.sample.sampler import Sampler, SamplerOutput
 from fdlite.graph.backend import GraphOptBackend
-from fdlite.graph.capture_sizes import decode_capture_sizes, prefill_capture_sizes
+from fdlite.graph.capture_sizes import decode_capture_sizes, mixed_capture_sizes, prefill_capture_sizes
 from fdlite.kvcache.device_memory import device_memory, reset_peak_memory
 from fdlite.graph.cuda import graphs_share_pool
 from fdlite.runner.cudagraph_runner import CudaGraphRunner, cudagraph_factory
@@ -97,7 +97,8 @@ class ModelRunner:
             max_rows=config.max_num_seqs, max_blocks=blocks_for(config.max_model_len, config.block_size),
             block_size=config.block_size)
         self.kv_cache: KVCache | None = None
-        self.graph_runner: CudaGraphRunner | None = None
+        self.graph_runner: CudaGraphRunner | None = None  # decode steps, per padded batch size
+        self.mixed_graph_runner: CudaGraphRunner | None = None  # steps with prefill tokens, per padded token count
 
     @property
     def bytes_per_block(self) -> int:
@@ -161,7 +162,8 @@ class ModelRunner:
             return self.config.num_gpu_blocks_override
         if profile is None:
             return self.num_blocks_from_budget()
-        sizes = self.capture_sizes()
+        decode, mixed = self.capture_sizes()
+        sizes = decode + mixed  # both in tokens
         largest = max(sizes) if sizes else 0
         pooled = None if not sizes or self.device != "gpu" or graphs_share_pool() else sum(sizes)
         reserve = graph_reserve_bytes(profile, largest, len(sizes), pooled)
@@ -201,19 +203,30 @@ class ModelRunner:
         replays of a batch padded up to a larger captured size. (With the eager graph stand-in a replay
         calls the layer again, so it counts as a SOT call too; a real CUDA graph does not.)"""
         backend = self.model.model.__dict__.get("graph_opt_backend")
-        gr = self.graph_runner
+        runners = self.graph_runners
         return {"sot_calls": backend.num_calls if backend is not None else 0,
-                "cudagraph_replays": gr.num_replays if gr is not None else 0,
-                "cudagraph_padded_replays": gr.num_padded_replays if gr is not None else 0}
+                "cudagraph_replays": sum(gr.num_replays for gr in runners),
+                "cudagraph_padded_replays": sum(gr.num_padded_replays for gr in runners),
+                "cudagraph_mixed_replays": self.mixed_graph_runner.num_replays if self.mixed_graph_runner else 0}
 
-    def capture_sizes(self) -> list[int]:
-        """The sizes that will get a CUDA graph ([] when graphs are off or cannot run here)."""
+    @property
+    def graph_runners(self) -> list[CudaGraphRunner]:
+        """The captured graphs' runners, in the order a step tries them (decode first)."""
+        return [gr for gr in (self.graph_runner, self.mixed_graph_runner) if gr is not None]
+
+    def capture_sizes(self) -> tuple[list[int], list[int]]:
+        """(decode batch sizes, token counts of steps with prefill tokens) that will get a CUDA graph; both empty
+        when graphs are off or cannot run here."""
         g = self.config.graph_optimization_config
-        if not g.use_cudagraph or cudagraph_factory(self.device) is None:
-            return []
+        if g.use_cudagraph is False or cudagraph_factory(self.device) is None:
+            return [], []
+        c = self.config
+        # A row never holds more than max_model_len tokens: a larger token count needs more rows than there are.
+        budget = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         if g.cudagraph_only_prefill:
-            return prefill_capture_sizes(self.config.max_num_batched_tokens, g.cudagraph_capture_sizes, g.max_capture_size)
-        return decode_capture_sizes(self.config.max_num_seqs, g.cudagraph_capture_sizes, g.max_capture_size)
+            return [], prefill_capture_sizes(budget, g.cudagraph_capture_sizes, g.max_capture_size)
+        return (decode_capture_sizes(c.max_num_seqs, g.cudagraph_capture_sizes, g.max_capture_size),
+                mixed_capture_sizes(budget, g.cudagraph_mixed_capture_sizes))
 
     def setup_graph_optimization(self, recorder: PhaseRecorder) -> None:
         """docs/design.md, "Startup order" step 4: attach the SOT backend, then warm it up or capture CUDA graphs (SOT inside capture)."""
@@ -221,16 +234,20 @@ class ModelRunner:
         layer = self.model.model
         if g.graph_opt_level >= 1:
             layer.graph_opt_backend = GraphOptBackend(layer, g.graph_opt_level)
-        sizes = self.capture_sizes()
-        if g.use_cudagraph and not sizes:
+        decode, mixed = self.capture_sizes()
+        if g.use_cudagraph and cudagraph_factory(self.device) is None:  # asked for (the default stays silent)
             logger.warning("use_cudagraph=True is ignored: CUDA graphs need a GPU build of Paddle on a GPU "
                            "(device here: %s); running without graphs", self.device)
-        if sizes:
-            self.graph_runner = CudaGraphRunner(
-                layer, self.kv_cache, self.buffers, sizes, prefill=g.cudagraph_only_prefill,
-                max_num_seqs=self.config.max_num_seqs, graph_factory=cudagraph_factory(self.device))
+        for sizes, is_mixed in ((decode, False), (mixed, True)):
+            if sizes:
+                runner = CudaGraphRunner(layer, self.kv_cache, self.buffers, sizes, mixed=is_mixed,
+                                         max_num_seqs=self.config.max_num_seqs,
+                                         graph_factory=cudagraph_factory(self.device))
+                setattr(self, "mixed_graph_runner" if is_mixed else "graph_runner", runner)
+        if self.graph_runners:
             with capture_custom_allreduce(recorder), recorder.phase("cudagraph_capture"):
-                self.graph_runner.capture_all(recorder, verify=g.verify_cudagraph)
+                for runner in self.graph_runners:
+                    runner.capture_all(recorder, verify=g.verify_cudagraph)
         if g.graph_opt_level >= 1:
             # Batches that run eagerly (mixed, or above the largest graph) translate here, after capture.
             with recorder.phase("sot_warmup"):
@@ -263,9 +280,10 @@ class ModelRunner:
     def forward_hidden(self, flat: FlatBatch, use_graphs: bool = True) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Hidden states of the flat batch (graph replay when its padded size was captured) and the device
         indices of its sampling rows."""
-        size = self.graph_runner.size_for(flat) if use_graphs and self.graph_runner is not None else None
-        if size is not None:
-            return self.graph_runner.run(flat, size), self.buffers.logits_index_view(len(flat.logits_indices))
+        for runner in self.graph_runners if use_graphs else ():
+            size = runner.size_for(flat)
+            if size is not None:
+                return runner.run(flat, size), self.buffers.logits_index_view(len(flat.logits_indices))
         ids, positions, meta, logits_indices = self.buffers.write(flat, self.kv_cache.caches)
         return self.model(ids, positions, meta), logits_indices
 
