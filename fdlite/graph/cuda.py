@@ -16,7 +16,8 @@ from fdlite.kernels.platform import is_gpu
 
 
 def cuda_graphs_available() -> bool:
-    return is_gpu()
+    """The GPU path on a CUDA build of Paddle with a device (not, say, the GPU path emulated on a CPU)."""
+    return is_gpu() and paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
 
 
 def graphs_share_pool() -> bool:

@@ -12,6 +12,7 @@ fresh allocator and its startup numbers are its own:
     python3 tools/gpu/e2e_harness.py throughput --out DIR   # nano-vllm protocol + decode step times at 1/16/64/256
     python3 tools/gpu/e2e_harness.py diag       --out DIR   # where a decode step's time goes (host parts, eager)
     python3 tools/gpu/e2e_harness.py breakdown  --out DIR   # the throughput protocol's time by step kind
+    python3 tools/gpu/e2e_harness.py churn      --out DIR   # 2,048 requests over 256 rows, token-count graphs vs not
     python3 tools/gpu/e2e_harness.py sampling   --out DIR   # each sampling feature's tokens/s beside plain sampling
     python3 tools/gpu/e2e_harness.py sampling_checks --out DIR  # penalties, bans, logprobs vs transformers; seeded graphs
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
-ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown", "sampling",
+ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown", "sampling", "churn",
                                     "sampling_checks"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
@@ -312,6 +313,7 @@ def parity_case(family: str) -> dict:
     res = compare(got, ref, gaps)
     st = llm.last_generate_stats
     res.update(fdlite_seconds=round(elapsed, 2), steps=st.get("num_steps"), preemptions=st.get("num_preemptions"),
+               cudagraph_replays=st.get("cudagraph_replays"), mixed_graph_replays=st.get("cudagraph_mixed_replays"),
                prefix_cache_hit_tokens=st.get("prefix_cache_hit_tokens"),
                prefill_tokens=st.get("prefill_tokens_computed"), startup=llm.startup_report)
     res["pass"] = res["pass"] and (st.get("num_preemptions") or 0) > 0 and (st.get("prefix_cache_hit_tokens") or 0) > 0
@@ -407,7 +409,36 @@ def section_graphs():
                            and (res["cudagraph_replays"] or 0) >= 990)
         return res
 
+    def mixed_case():
+        """About 1,000 steps of a churning job (110 requests over 4 rows, prompts prefilled 64 tokens a step beside
+        the others' decodes): nearly every step mixes prefill and decode tokens and replays a token-count graph;
+        the tokens equal the eager engine's."""
+        from fdlite import LLM, SamplingParams  # noqa: PLC0415
+
+        path = small_model("qwen3")
+        rng = np.random.default_rng(12)
+        prompts = [rng.integers(3, 1024, size=int(k)).tolist() for k in rng.integers(200, 800, size=110)]
+        params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(4, 30, 110)]
+        common = dict(device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4, block_size=16,
+                      max_model_len=1024, max_num_batched_tokens=64, num_gpu_blocks_override=400)
+        eager = LLM(path, use_cudagraph=False, **common)
+        want = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                use_tqdm=False)]
+        del eager
+        llm = LLM(path, use_cudagraph=True, **common)
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)]
+        st = llm.last_generate_stats
+        mixed = llm.runner.mixed_graph_runner
+        res = {"identical": got == want, "steps": st["num_steps"], "cudagraph_replays": st["cudagraph_replays"],
+               "mixed_replays": st["cudagraph_mixed_replays"], "mixed_sizes": sorted(mixed.graphs) if mixed else [],
+               "distinct_token_counts_replayed": len({t for _, t in mixed.replays_by_size}) if mixed else 0}
+        res["pass"] = bool(res["identical"] and st["cudagraph_replays"] >= 0.9 * st["num_steps"]
+                           and st["cudagraph_mixed_replays"] >= 0.8 * st["num_steps"] and st["num_steps"] >= 900)
+        return res
+
     run("graphs_1000_decode_steps", case)
+    run("graphs_mixed_steps", mixed_case)
 
 
 # ---- throughput (nano-vllm's protocol) ------------------------------------------------------------
@@ -734,6 +765,54 @@ JSON_SCHEMA = {
 }
 
 
+# ---- the churn job: more requests than rows (token-count graphs for the steps that mix) -----------------
+def section_churn():
+    """benchmarks/churn_job.py's job on Qwen3-0.6B shapes (bf16), in one process: with token-count graphs (the
+    default now) and with decode graphs only (the engine before them), each LLM on 40% of the GPU."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from churn_job import churn_requests, run_job  # noqa: PLC0415
+
+    from fdlite import LLM  # noqa: PLC0415
+
+    n = 256 if ARGS.quick else 2048
+    prompts, outs = churn_requests(n)
+    common = dict(skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
+                  max_num_batched_tokens=8192, gpu_memory_utilization=0.4)
+    variants = [("decode graphs only", {"graph_optimization_config": {"cudagraph_mixed_capture_sizes": []}}),
+                ("token-count graphs", {}), ("decode graphs only (again)", {"graph_optimization_config": {
+                    "cudagraph_mixed_capture_sizes": []}})]
+    llms = {}
+
+    def startup(name, extra):
+        def f():
+            t = time.time()
+            llms[name] = LLM(qwen3_06b(), **common, **extra)
+            return {"startup_s": round(time.time() - t, 1), "kv_blocks": llms[name].num_blocks,
+                    "mixed_sizes": llms[name].startup_report["cudagraph_mixed_sizes"]}
+        return f
+
+    def job(name):
+        def f():
+            run_job(llms[name], prompts[:16], outs[:16])  # warm-up
+            return run_job(llms[name], prompts, outs)
+        return f
+
+    for name, extra in variants[:2]:
+        run(f"startup: {name}", startup(name, extra))
+    for name, _ in variants[:2]:
+        if name in llms:
+            run(name, job(name))
+    if "decode graphs only" in llms:  # the first variant again, after the second: the order's effect
+        llms[variants[2][0]] = llms["decode graphs only"]
+        run(variants[2][0], job(variants[2][0]))
+    r = RES["results"]
+    if "token-count graphs" in r and "decode graphs only" in r:
+        base = max(r["decode graphs only"]["output_tokens_per_s"], r.get("decode graphs only (again)", {}).get(
+            "output_tokens_per_s", 0))
+        r["speedup_vs_best_decode_only"] = {"value": round(r["token-count graphs"]["output_tokens_per_s"] / base, 3),
+                                            "pass": r["token-count graphs"]["replayed_share"] >= 0.9}
+
+
 def section_sampling():
     """Each sampling feature's output tokens/s beside plain temperature sampling, in one process (one `LLM`, with
     the shipped Qwen3 tokenizer for the cases that need text): 128 of the protocol's prompts (token ids), 128
@@ -1015,7 +1094,7 @@ def section_sampling_checks():
 if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
      "throughput": section_throughput, "diag": section_diag, "breakdown": section_breakdown,
-     "sampling": section_sampling, "sampling_checks": section_sampling_checks}[ARGS.section]()
+     "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))
