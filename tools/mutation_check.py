@@ -457,6 +457,33 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_logprobs.py::test_prompt_logprobs_are_the_same_under_preemption_async_scheduling_and_n2",),
         "new",
     ),
+    Mutation(
+        "mixed-steps-run-eagerly",
+        "Steps with prefill tokens never replay their token-count graphs (only decode-only steps replay)",
+        (Edit("fdlite/runner/cudagraph_runner.py",
+              "            fits = batch.num_rows <= self.max_num_seqs\n",
+              "            fits = batch.num_decodes == 0 and batch.num_decodes == batch.num_rows  # MUTATION\n"),),
+        ("tests/test_graph_optimization.py",),
+        "new",
+    ),
+    Mutation(
+        "graph-verify-on-the-capture-split",
+        "A graph's self-check replays the capture's own split, so a graph bound to its split passes",
+        (Edit("fdlite/runner/cudagraph_runner.py",
+              "        batch = self.dummy_batch(size, seed=10_000 + size, worst_case=False)",
+              "        batch = self.dummy_batch(size, seed=size, worst_case=True)"),),
+        ("tests/test_graph_optimization.py::test_verify_replays_a_mixed_graph_on_another_split",),
+        "new",
+    ),
+    Mutation(
+        "cudagraphs-off-by-default",
+        "CUDA graphs stay off unless asked for (FastDeploy 2.2's default)",
+        (Edit("fdlite/runner/model_runner.py",
+              "        if g.use_cudagraph is False or cudagraph_factory(self.device) is None:",
+              "        if not g.use_cudagraph or cudagraph_factory(self.device) is None:"),),
+        ("tests/test_graph_optimization.py::test_a_churning_job_replays_nearly_every_step_and_matches_eager",),
+        "new",
+    ),
     # ---- a newcomer's first run and the repository's hygiene ----------------------------------------------
     Mutation(
         "sampling-params-bare-typeerror",
