@@ -6,7 +6,7 @@ worker's `execute`, which on the GPU waits for the device when the sampled ids c
 The job (issue 24's): N requests, prompts of 100-1,024 random tokens, 32-256 output tokens each, `ignore_eos`,
 temperature 0.6; `max_num_seqs=256`, `max_num_batched_tokens=8192`. `--compare` runs it twice in one process,
 with token-count graphs and without (`cudagraph_mixed_capture_sizes=[]`: decode graphs only, the engine before
-them), each `LLM` given `--memory` of the GPU.
+them), each `LLM` with the same `--blocks` KV blocks.
 
     python benchmarks/churn_job.py --model <folder> --requests 2048 --compare          # on a GPU
     python benchmarks/churn_job.py --requests 64 --max-num-seqs 8 --max-tokens-range 4 16   # CPU, built-in model
@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[100, 1024])
     ap.add_argument("--max-tokens-range", type=int, nargs=2, default=[32, 256])
     ap.add_argument("--compare", action="store_true", help="also without token-count graphs, in this process")
-    ap.add_argument("--memory", type=float, default=0.4, help="gpu_memory_utilization of each LLM with --compare")
+    ap.add_argument("--blocks", type=int, default=4000, help="KV blocks of each LLM with --compare")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -88,7 +88,7 @@ def main() -> None:
     common = dict(skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens)
     if args.compare:
-        common["gpu_memory_utilization"] = args.memory
+        common["num_gpu_blocks_override"] = args.blocks
     variants = {"token-count graphs": {}}
     if args.compare:
         variants["decode graphs only"] = {"graph_optimization_config": {"cudagraph_mixed_capture_sizes": []}}
