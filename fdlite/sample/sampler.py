@@ -154,12 +154,12 @@ class Sampler:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._gpu = None  # GpuSampler (sampler_gpu.py), with its device token tables, on the GPU path
-        self._forward = dispatch_forward(self)
+        self._forward = dispatch_forward(self)  # the plain function, called with self (custom_op.py: no cycle)
 
     @paddle.no_grad()
     def __call__(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row; see the module docstring for the order of operations."""
-        return self._forward(logits, batch)
+        return self._forward(self, logits, batch)
 
     def forward_gpu(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if self._gpu is None:
@@ -170,7 +170,7 @@ class Sampler:
 
     def logprobs_of(self, logits: paddle.Tensor, targets: np.ndarray, k: int) -> LogprobsTensors:
         """Raw logprobs of every row of `logits` at `targets` [rows], with ranks and the top-k (prompt logprobs)."""
-        if self._forward == self.forward_gpu:
+        if self._forward is type(self).forward_gpu:
             from fdlite.sample.sampler_gpu import logprobs_of  # noqa: PLC0415
 
             return logprobs_of(logits, targets, k)
