@@ -39,3 +39,12 @@ def reset_peak_memory() -> None:
         reset = getattr(paddle.device.cuda, "reset_max_memory_allocated", None)
         if reset is not None:
             reset()
+
+
+def release_cached_memory() -> None:
+    """Give the allocator's cached, unused blocks back to CUDA (`empty_cache`), on a GPU build; else nothing."""
+    if not on_gpu() or not paddle.is_compiled_with_cuda():
+        return
+    empty = getattr(paddle.device.cuda, "empty_cache", None)
+    if empty is not None:
+        empty()

@@ -28,6 +28,7 @@ from fdlite.models.tp_partition import TPPartition
 from fdlite.models.weight_loader import load_weights
 from fdlite.layers.forward_meta import FlatBatch
 from fdlite.layers.moe import balanced_routing
+from fdlite.kernels.device_tensors import release_layer_tensors
 from fdlite.kernels.platform import select_device
 from fdlite.sample.sampler import Sampler, SamplerOutput
 from fdlite.graph.backend import GraphOptBackend
@@ -39,7 +40,7 @@ from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import translation_count
 from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for
 from fdlite.kernels.allreduce import capture_custom_allreduce
-from fdlite.distributed.communicator import Communicator, set_communicator
+from fdlite.distributed.communicator import Communicator, get_communicator, set_communicator
 from fdlite.runner.dummy_batch import dummy_batch, even_split, small_prefill_lengths
 from fdlite.runner.forward_buffers import ForwardBuffers
 from fdlite.runner.input_batch import PromptLogprobsInputs, StepInputs
@@ -98,6 +99,39 @@ class ModelRunner:
             block_size=config.block_size)
         self.kv_cache: KVCache | None = None
         self.graph_runner: CudaGraphRunner | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        """Release everything this runner holds (docs/design.md, "Closing an engine"); idempotent.
+
+        In this order: the CUDA graphs and their memory pools (they write the KV cache and the buffers, so they
+        go first), the graph backend attached to the model (SOT's translated function binds the model: a cycle),
+        the sampler's threads and device token tables, the grammar thread, the KV cache, the forward buffers,
+        every weight, and this engine's custom all-reduce. Tensors are freed in place (`release_tensor`), so
+        a reference left somewhere (a traceback, one layer kept by the caller) keeps an empty object, not the
+        memory. The process groups stay (`Communicator.close`). Nothing here is collective."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.graph_runner is not None:
+            self.graph_runner.close()
+        self.graph_runner = None
+        model = self.__dict__.get("model")
+        layer = getattr(model, "model", None)
+        if layer is not None and layer.__dict__.get("graph_opt_backend") is not None:
+            layer.graph_opt_backend = None
+        self.sampler.close()
+        self.bitmasks.close()
+        if self.kv_cache is not None:
+            self.kv_cache.release()
+        self.kv_cache = None
+        self.buffers.release()
+        if model is not None:
+            release_layer_tensors(model)
+        self.model = None
+        if get_communicator() is self.comm:
+            set_communicator(None)
+        self.comm.close()
 
     @property
     def bytes_per_block(self) -> int:

@@ -35,6 +35,7 @@ import numpy as np
 import paddle
 
 from fdlite.kernels.custom_op import dispatch_forward
+from fdlite.threads import shutdown_pool
 from fdlite.sample.logprobs import LogprobsTensors, compute_logprobs
 from fdlite.sample.random import uniforms
 from fdlite.outputs import Logprob
@@ -160,6 +161,15 @@ class Sampler:
     def __call__(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row; see the module docstring for the order of operations."""
         return self._forward(self, logits, batch)
+
+    def close(self) -> None:
+        """Stop the draw threads and free the GPU sampler's device token tables (the engine is closing)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            shutdown_pool(pool)
+        gpu, self._gpu = self._gpu, None
+        if gpu is not None:
+            gpu.close()
 
     def forward_gpu(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if self._gpu is None:
