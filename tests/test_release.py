@@ -19,6 +19,9 @@ import pytest
 
 import gpu_emulator
 from fdlite import LLM, SamplingParams
+from fdlite.kvcache import device_memory
+from fdlite.kvcache.device_memory import DeviceMemory, profile_peak
+from fdlite.runner import model_runner
 from fdlite.runner.model_runner import ModelRunner
 from fdlite.sampling_params import StructuredOutputsParams
 
@@ -182,3 +185,35 @@ def test_del_at_interpreter_exit_is_quiet(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
     assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+# ---- sizing a second engine on Paddle 2.6 (no peak reset) ------------------------------------------------------
+
+GiB = 1 << 30
+
+
+def test_profile_peak_without_a_reset_takes_the_tighter_bound_and_keeps_it(monkeypatch):
+    monkeypatch.setattr(device_memory, "_STALE_PEAK_ACTIVATIONS", {})
+    first = DeviceMemory(80 * GiB, 2 * GiB, peak=5 * GiB, reserved=4 * GiB)
+    assert profile_peak(first, 2 * GiB, fresh=True, key=("m",)) == 5 * GiB  # a reset peak is the forward's own
+    assert profile_peak(DeviceMemory(80 * GiB, 2 * GiB, 5 * GiB), 2 * GiB, fresh=False, key=("m",)) == 5 * GiB
+    assert profile_peak(first, 2 * GiB, fresh=False, key=("m",)) == 4 * GiB  # min(peak, reserved)
+    # The next engine of the same model in this process: the high-water mark is the first one's KV cache.
+    stale = DeviceMemory(80 * GiB, 2 * GiB, peak=72 * GiB, reserved=int(4.5 * GiB))
+    assert profile_peak(stale, 2 * GiB, fresh=False, key=("m",)) == 4 * GiB
+    assert profile_peak(stale, 2 * GiB, fresh=False, key=("other",)) == int(4.5 * GiB)
+
+
+def test_second_engine_on_paddle_26_gets_the_same_cache(monkeypatch):
+    """Through the startup path: a GPU whose allocator peak cannot be reset and still shows the first engine."""
+    monkeypatch.setattr(device_memory, "_STALE_PEAK_ACTIVATIONS", {})
+    monkeypatch.setattr(model_runner, "reset_peak_memory", lambda: False)
+    blocks = []
+    for high_water in (300 * MiB, 7 * GiB):  # round 2: the first engine's cache is the process's peak
+        readings = iter([DeviceMemory(GiB, 100 * MiB, high_water, reserved=100 * MiB),
+                         DeviceMemory(GiB, 101 * MiB, high_water, reserved=101 * MiB),
+                         DeviceMemory(GiB, 101 * MiB, high_water, reserved=300 * MiB)])
+        monkeypatch.setattr(model_runner, "device_memory", lambda: next(readings))
+        with LLM(gpu_memory_utilization=0.4, max_num_seqs=8, max_model_len=256, skip_tokenizer_init=True) as llm:
+            blocks.append(llm.num_blocks)
+    assert blocks[0] > 0 and blocks[1] == blocks[0]

@@ -33,7 +33,7 @@ from fdlite.kernels.platform import select_device
 from fdlite.sample.sampler import Sampler, SamplerOutput
 from fdlite.graph.backend import GraphOptBackend
 from fdlite.graph.capture_sizes import decode_capture_sizes, prefill_capture_sizes
-from fdlite.kvcache.device_memory import device_memory, reset_peak_memory
+from fdlite.kvcache.device_memory import device_memory, profile_peak, release_cached_memory, reset_peak_memory
 from fdlite.graph.cuda import graphs_share_pool
 from fdlite.runner.cudagraph_runner import CudaGraphRunner, cudagraph_factory
 from fdlite.phases import PhaseRecorder
@@ -72,6 +72,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig):
         self.config = config
         self.model_config = model_config
+        self.model_path = model_path
         self.device = select_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         tp_size = config.tensor_parallel_size
@@ -149,8 +150,10 @@ class ModelRunner:
         MoE layers route its tokens to every expert (`balanced_routing`; with fewer token choices than
         experts, to as many as there are choices).
         """
-        reset_peak_memory()
+        fresh_peak = reset_peak_memory()
         before = device_memory()
+        if before is not None and not fresh_peak:
+            release_cached_memory()  # the reserve after the forward then bounds its peak (`profile_peak`)
         lengths = self.profile_lengths(measured=before is not None)
         tokens = sum(lengths)
         temp_blocks = sum(blocks_for(n, self.config.block_size) for n in lengths)
@@ -165,7 +168,9 @@ class ModelRunner:
         self.kv_cache = None
         if before is None:
             return None
-        return MemoryProfile(total=before.total, allocated_before=with_cache.allocated, peak_during=during.peak,
+        key = (self.model_path, self.dtype, self.parallel.rank, tuple(lengths), temp_blocks)
+        peak = profile_peak(during, with_cache.allocated, fresh_peak, key)
+        return MemoryProfile(total=before.total, allocated_before=with_cache.allocated, peak_during=peak,
                              used_after=during.allocated, temporary_kv_bytes=temp_bytes,
                              profile_tokens=tokens)
 
