@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
@@ -17,6 +18,8 @@ from fdlite.distributed.parallel_state import launched_world_size
 from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import check_graph_opt_level, translation_count
 from fdlite.kernels import cpu_attention
+from fdlite.kernels.allreduce import is_capturing_custom_allreduce
+from fdlite.kvcache.device_memory import release_cached_memory
 from fdlite.model_source import resolve_model
 from fdlite.models.context_length import choose_max_model_len, fit_to_cache
 from fdlite.models.generation_config import sampling_defaults
@@ -50,6 +53,11 @@ class LLM:
     an empty list. With `data_parallel_size=D` as well, D * N processes form D independent groups of N
     (consecutive ranks); each group is one engine over the requests its own ranks pass to `generate`
     (`fdlite run` splits a job's requests between the groups), and each group's first rank returns outputs.
+
+    An `LLM` releases what it holds (KV cache, CUDA graphs and their memory pools, weights, buffers, the
+    sampler's device tables, its threads; then the allocator's cache goes back to the device) on `close()`, at
+    the end of a `with LLM(...) as llm:` block, or when it is deleted, so a second `LLM` in the same process
+    gets the same KV cache as the first. A closed `LLM` refuses to generate. Process groups are kept.
     """
 
     # What the last `generate` / `generate_stream` computed: steps, prefill/decode tokens, prefix-cache
@@ -58,6 +66,7 @@ class LLM:
     last_generate_stats: dict[str, Any] = {}
 
     def __init__(self, model: str | None = None, **kwargs: Any):
+        self._closed = False
         t_start = time.perf_counter()
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         check_graph_opt_level(self.config.graph_optimization_config.graph_opt_level)
@@ -88,7 +97,19 @@ class LLM:
             self.reasoning_parser = make_reasoning_parser(self.config.reasoning_parser, self.tokenizer)
             self.runner = ModelRunner(self.config, self.model_path, self.model_config)
         logger.info("device: %s (%s)", self.runner.device, self.runner.dtype)
+        try:
+            self._start(length)
+        except BaseException:
+            # A failed start (a cache of 0 blocks, a failed graph check) gives its memory back now: the
+            # traceback, which a notebook keeps, would otherwise keep the weights alive.
+            self.close()
+            raise
+        _close_deferred()
+        self.startup_report["total_s"] = time.perf_counter() - t_start
+        logger.info("ready in %.2f s", self.startup_report["total_s"])
 
+    def _start(self, length) -> None:
+        """Startup after the weights: profile, size and allocate the KV cache, graphs, the engine."""
         with self.phases.phase("profile_run"):
             profile = self.runner.profile_run()
 
@@ -119,9 +140,60 @@ class LLM:
                                    else []),
             sot_translations=(self.phases.probe_at("end", "graph_optimization", "sot_translations")
                               - self.phases.probe_at("begin", "load_weights", "sot_translations")),
-            total_s=time.perf_counter() - t_start,
         )
-        logger.info("ready in %.2f s", self.startup_report["total_s"])
+
+    # ---- releasing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release everything this engine holds; idempotent. Afterwards `generate` and `chat` raise.
+
+        The step thread stops after the step in flight, then the model runner frees the CUDA graphs and their
+        pools, the KV cache, the forward buffers, the weights, the sampler's device tables and threads and the
+        custom all-reduce (`ModelRunner.close`), and the allocator's cached blocks go back to the device
+        (`empty_cache`). Process groups are not torn down (another `LLM` in this process may use them; Paddle
+        cannot rebuild them), and neither are the process-wide cuBLAS workspace and attention counters of
+        fdlite's GPU ops library, which the next `LLM` reuses. Local: ranks need not close together."""
+        if self.__dict__.get("_closed", True):
+            return
+        self._closed = True
+        engine, runner = self.__dict__.get("engine"), self.__dict__.get("runner")
+        self.engine = self.runner = None
+        try:
+            if engine is not None:
+                engine.close()
+        finally:
+            if runner is not None:
+                runner.close()
+                release_cached_memory()
+
+    @property
+    def closed(self) -> bool:
+        return self.__dict__.get("_closed", True)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            # At interpreter exit Paddle and CUDA may be half torn down; the process frees everything anyway.
+            if sys.is_finalizing() or self.closed:
+                return
+            if is_capturing_custom_allreduce():
+                # The garbage collector ran this inside another engine's CUDA-graph capture, where freeing
+                # device memory would break that capture: that engine closes this one once its capture is over.
+                _DEFERRED_CLOSE.append(self)
+                return
+            self.close()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            pass
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this LLM was closed (close(), or the end of its `with` block) and has released its "
+                               "model and KV cache; create a new LLM to generate again")
 
     def _compile_ops(self) -> None:
         """Build the native ops the model will call before the weights load, so that their one-time compile
@@ -154,6 +226,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name). False, with nothing dropped, while a
         request holds blocks; between `generate` calls none does."""
+        self._check_open()
         return self.engine.allocator.reset_prefix_cache()
 
     # ---- requests -------------------------------------------------------------------------
@@ -227,6 +300,7 @@ class LLM:
         parallelism only rank 0 yields; every rank must iterate to the end (a rank that stops early
         leaves the others waiting in a collective).
         """
+        self._check_open()
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, (int, np.integer)) for t in prompts)
         ):
@@ -278,6 +352,7 @@ class LLM:
 
         `chat_template_kwargs` reach the template (e.g. `{"enable_thinking": False}` for Qwen3; with a
         `reasoning_parser` the output is then all answer, see `fdlite/reasoning.py`)."""
+        self._check_open()
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -339,16 +414,19 @@ class LLM:
         driver = self.parallel.is_driver
         if driver:
             yield from failed
+        self._check_open()  # closed while the caller held this iterator
+        engine = self.engine
         requests = {seqs[0].request_index: (out, seqs) for out, seqs in live}
         remaining = {index: len(seqs) for index, (_, seqs) in requests.items()}
         for _, seqs in live:
             for s in seqs:
-                self.engine.add(s)
+                engine.add(s)
         progress = Progress(total=len(live), enabled=use_tqdm and driver)
-        before, t0 = self.engine.stats(), time.perf_counter()
+        before, t0 = engine.stats(), time.perf_counter()
         try:
-            while self.engine.has_unfinished():
-                finished, _ = self.engine.step()
+            while engine.has_unfinished():
+                self._check_open()
+                finished, _ = engine.step()
                 for seq in finished:
                     progress.add_tokens(0, len(seq.output_token_ids))
                     remaining[seq.request_index] -= 1
@@ -360,13 +438,16 @@ class LLM:
                             yield seq.request_index, out
         finally:
             progress.close()
-            # Only has work when the caller stopped iterating (or an exception escaped): free the blocks
-            # of what is left so a later call does not run, or trip over, orphaned sequences.
-            self.engine.abort([s for _, seqs in live for s in seqs])
-            # Logged at INFO only below the bar this call drew; without one the caller either draws its own
-            # (`fdlite run`: the line would land inside it, and the job's summary says it all) or wants text only.
-            self.last_generate_stats = self._generate_stats(before, time.perf_counter() - t0, len(live), log=driver,
-                                                            level=logging.INFO if use_tqdm else logging.DEBUG)
+            if not self.closed:  # closed mid-iteration: nothing left to free or count
+                # Only has work when the caller stopped iterating (or an exception escaped): free the blocks
+                # of what is left so a later call does not run, or trip over, orphaned sequences.
+                engine.abort([s for _, seqs in live for s in seqs])
+                # Logged at INFO only below the bar this call drew; without one the caller either draws its own
+                # (`fdlite run`: the line would land inside it, and the job's summary says it all) or wants text
+                # only.
+                self.last_generate_stats = self._generate_stats(before, time.perf_counter() - t0, len(live),
+                                                                log=driver,
+                                                                level=logging.INFO if use_tqdm else logging.DEBUG)
 
     def _finish(self, out: RequestOutput, seqs: list[Sequence]) -> None:
         out.outputs = [self._completion(s) for s in seqs]
@@ -400,6 +481,15 @@ class LLM:
                 100 * stats["prefix_cache_hit_rate"], _count(stats["num_preemptions"], "preemption"),
             )
         return stats
+
+
+# Engines whose finalizer ran during another engine's CUDA-graph capture (see `LLM.__del__`).
+_DEFERRED_CLOSE: list[LLM] = []
+
+
+def _close_deferred() -> None:
+    while _DEFERRED_CLOSE:
+        _DEFERRED_CLOSE.pop().close()
 
 
 def _count(n: int, noun: str) -> str:

@@ -124,14 +124,15 @@ def test_emulated_gpu_path_stores_linear_weights_out_in_from_either_checkpoint_l
 
     paddle_dir = save_paddle_layout(model_dirs["ernie45"], str(tmp_path / "paddle"), "ernie.")
     want = LLM(model_dirs["ernie45"], device="cpu", **COMMON).generate(prompts(), GREEDY, use_tqdm=False)
-    cpu_shapes = {n: list(l.weight.shape) for n, l in LLM(model_dirs["qwen2"], device="cpu", **COMMON)
-                  .runner.model.named_sublayers() if isinstance(l, Linear)}
+    cpu_llm = LLM(model_dirs["qwen2"], device="cpu", **COMMON)  # kept: a deleted LLM releases its model
+    cpu_shapes = {n: list(l.weight.shape) for n, l in cpu_llm.runner.model.named_sublayers() if isinstance(l, Linear)}
     _emulate_gpu(monkeypatch)
     for path in (model_dirs["ernie45"], paddle_dir):
         llm = LLM(path, **COMMON)
         got = llm.generate(prompts(), GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], path
-    gpu = {n: l for n, l in LLM(model_dirs["qwen2"], **COMMON).runner.model.named_sublayers() if isinstance(l, Linear)}
+    gpu_llm = LLM(model_dirs["qwen2"], **COMMON)
+    gpu = {n: l for n, l in gpu_llm.runner.model.named_sublayers() if isinstance(l, Linear)}
     assert gpu and set(gpu) == set(cpu_shapes)
     for name, layer in gpu.items():
         assert layer.weight_out_in and list(layer.weight.shape) == cpu_shapes[name][::-1], name

@@ -514,6 +514,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "close-releases-nothing",
+        "LLM.close() only marks the engine closed: the KV cache, weights, graphs, device tables and threads stay",
+        (Edit("fdlite/llm.py",
+              "        self._closed = True\n        engine, runner = ",
+              "        self._closed = True\n        return  # MUTATION\n        engine, runner = "),),
+        ("tests/test_release.py::test_close_frees_memory_that_references_still_point_at",
+         "tests/test_release.py::test_emulated_gpu_close_frees_graphs_device_tables_and_the_grammar_thread"),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)

@@ -91,6 +91,14 @@ class Communicator:
             return "its CUDA library is not built" + (f": {why}" if why else "")
         return None
 
+    def close(self) -> None:
+        """Free this engine's custom all-reduce (its CUDA buffers and peer mappings). Local, no collective. The
+        process groups stay: Paddle cannot make them again in this process, and another engine may use them."""
+        custom, self.custom = self.custom, None
+        if custom is not None:
+            unregister_capture_participant(custom)
+            custom.close()
+
     # ---- collectives -----------------------------------------------------------------------
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:

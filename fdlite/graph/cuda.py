@@ -60,3 +60,16 @@ class CudaGraph:
     def replay(self) -> paddle.Tensor:
         self._graph.replay()
         return self.output
+
+    def close(self) -> None:
+        """Free the graph and its memory pool (`CUDAGraph.reset`, in 2.6 and 3.x). The output tensor lives in
+        that pool, so it goes first; the graph must not be replayed again."""
+        self.output = None
+        graph, self._graph = self._graph, None
+        if graph is not None and getattr(graph, "_graph", None) is not None:  # None: its capture never ended
+            graph.reset()
+
+    @classmethod
+    def forget_pool(cls) -> None:
+        """Graphs captured from now on take a new shared pool (3.x); the old one goes with its last graph."""
+        cls._pool_id = None

@@ -53,3 +53,9 @@ class EagerReplayGraph:
             )
         paddle.assign(self._fn(), output=self.output)
         return self.output
+
+    def close(self) -> None:
+        """Drop the captured function (it refers to the runner) and the output, as a real graph frees its pool."""
+        self._fn = self._static_inputs = None
+        self._bound = {}
+        self.output = None

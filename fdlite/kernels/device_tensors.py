@@ -55,3 +55,33 @@ def to_numpy_f32(t: paddle.Tensor) -> np.ndarray:
     if a.dtype == np.uint16:  # bfloat16: the upper half of a float32
         return (a.astype(np.uint32) << 16).view(np.float32)
     return a.astype(np.float32, copy=False)
+
+
+def release_tensor(t) -> None:
+    """Free `t`'s memory now, whoever else still refers to the tensor object (it is left empty).
+
+    For what an engine owns when it closes (KV cache, weights, buffers): a traceback, a notebook's
+    history or a forgotten reference to one layer then keeps a Python object alive, not its memory.
+    Views share the allocation, so the memory goes once every view is released or dropped. Anything
+    that is not an initialised Paddle tensor is skipped."""
+    if not isinstance(t, paddle.Tensor):
+        return
+    try:
+        if not t._is_initialized():
+            return
+        clear = getattr(t, "_clear_data", None)
+        if clear is not None:
+            clear()
+        else:  # older Paddle: the same call on the underlying DenseTensor
+            t.get_tensor()._clear()
+    except Exception:  # noqa: BLE001 - best effort: the reference is dropped by the caller anyway
+        pass
+
+
+def release_layer_tensors(layer) -> None:
+    """`release_tensor` on every parameter, buffer and tensor attribute of `layer` and its sublayers."""
+    for sub in layer.sublayers(include_self=True):
+        tensors = [*sub._parameters.values(), *sub._buffers.values(),
+                   *(v for v in vars(sub).values() if isinstance(v, paddle.Tensor))]
+        for t in tensors:
+            release_tensor(t)

@@ -39,6 +39,13 @@ class KVCache:
         caches = [(device_tensors.full(shape, 0, dtype), device_tensors.full(shape, 0, dtype)) for _ in range(num_layers)]
         return cls(num_blocks, block_size, caches)
 
+    def release(self) -> None:
+        """Free every layer's K and V now (the engine is closing), whoever still holds this object."""
+        for k, v in self.caches:
+            device_tensors.release_tensor(k)
+            device_tensors.release_tensor(v)
+        self.caches = []
+
     def poison_blocks(self, blocks: list[int]) -> None:
         """Debug: make `blocks` unreadable (NaN keys, huge values) until they are written again."""
         if not blocks:

@@ -39,7 +39,7 @@ class Attention(CustomOp):
         self.rotary = rotary
         # A tuple: the norms' weights belong to the model's attention layer (checkpoint names), not to this op.
         self._qk_norm = (q_norm, k_norm) if q_norm is not None else None
-        if self._forward_method == self.forward_cpu:
+        if self._forward_method is type(self).forward_cpu:
             cpu_attention.load()  # build (first use on a machine) and log the CPU attention path at model build
 
     def forward_cpu(self, qkv: paddle.Tensor, positions: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:

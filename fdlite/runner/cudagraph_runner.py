@@ -18,6 +18,7 @@ the KV cache.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from typing import Callable
 
@@ -103,7 +104,10 @@ class CudaGraphRunner:
             if recorder is not None and translated:
                 recorder.point("sot_translate", size=size, count=translated)
             graph = self.graph_factory()
-            graph.capture(lambda s=size: self._forward(s), static_inputs=self.buffers.tensors)
+            # Through a weak reference: the eager stand-in keeps the function, and a strong `self` in it
+            # would make runner -> graphs -> function -> runner a cycle that outlives `del llm`.
+            runner = weakref.proxy(self)
+            graph.capture(lambda s=size: runner._forward(s), static_inputs=self.buffers.tensors)
             self.graphs[size] = graph
             if recorder is not None:
                 recorder.point("cudagraph_captured", size=size, kind=self.kind)
@@ -124,6 +128,20 @@ class CudaGraphRunner:
                 f"disagrees with the eager forward (max relative difference {err:.3g} > {tolerance}). "
                 "Run without use_cudagraph, and report this."
             )
+
+    def close(self) -> None:
+        """Free every graph (and its memory pool) and drop the runner's references to the model, the KV cache
+        and the buffers; no graph may be replayed afterwards (`size_for` then sends every batch eagerly).
+        The captured function (the eager stand-in keeps it) refers back to this runner: closing breaks that cycle."""
+        graphs, self.graphs = self.graphs, {}
+        for graph in graphs.values():
+            close = getattr(graph, "close", None)
+            if close is not None:
+                close()
+        forget_pool = getattr(self.graph_factory, "forget_pool", None)
+        if forget_pool is not None:
+            forget_pool()
+        self.model_layer = self.kv_cache = self.buffers = None
 
     # ---- replay --------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from fdlite.runner.sequence import Sequence
 from fdlite.runner.worker import Worker
 from fdlite.sample.sampler import SamplerOutput
 from fdlite.structured.matcher import StructuredOutputs
+from fdlite.threads import shutdown_pool
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,18 @@ class Engine:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="fdlite-step")
         return scheduled, prepared, self._executor.submit(self.worker.execute, prepared)
+
+    def close(self) -> None:
+        """Stop the step thread (async scheduling) once the step in flight is done; the model runner is closed by
+        its owner (`LLM.close`)."""
+        try:
+            self.drain()
+        except Exception:  # noqa: BLE001 - that step's error went to the caller already; closing goes on
+            pass
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            shutdown_pool(executor)
+        self.schedule_listeners.clear()
 
     def drain(self) -> None:
         """Wait for a step still running (async scheduling) and forget it."""

@@ -102,6 +102,13 @@ class ForwardBuffers:
         self._all = [b for b in vars(self).values() if isinstance(b, _Buffer)]
         self.scratch_block: int | None = None
 
+    def release(self) -> None:
+        """Free every buffer's tensor (the engine is closing); the buffers cannot be written afterwards."""
+        for b in self._all:
+            b._views.clear()
+            device_tensors.release_tensor(b.tensor)
+            b.tensor = b.host = None
+
     def tensors(self) -> dict[str, paddle.Tensor]:
         """Every persistent tensor by name (their addresses must never change)."""
         return {k: v.tensor for k, v in vars(self).items() if isinstance(v, _Buffer)}

@@ -28,18 +28,19 @@ from fdlite.models.tp_partition import TPPartition
 from fdlite.models.weight_loader import load_weights
 from fdlite.layers.forward_meta import FlatBatch
 from fdlite.layers.moe import balanced_routing
+from fdlite.kernels.device_tensors import release_layer_tensors
 from fdlite.kernels.platform import select_device
 from fdlite.sample.sampler import Sampler, SamplerOutput
 from fdlite.graph.backend import GraphOptBackend
 from fdlite.graph.capture_sizes import decode_capture_sizes, mixed_capture_sizes, prefill_capture_sizes
-from fdlite.kvcache.device_memory import device_memory, reset_peak_memory
+from fdlite.kvcache.device_memory import device_memory, profile_peak, release_cached_memory, reset_peak_memory
 from fdlite.graph.cuda import graphs_share_pool
 from fdlite.runner.cudagraph_runner import CudaGraphRunner, cudagraph_factory
 from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import translation_count
 from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for
 from fdlite.kernels.allreduce import capture_custom_allreduce
-from fdlite.distributed.communicator import Communicator, set_communicator
+from fdlite.distributed.communicator import Communicator, get_communicator, set_communicator
 from fdlite.runner.dummy_batch import dummy_batch, even_split, small_prefill_lengths
 from fdlite.runner.forward_buffers import ForwardBuffers
 from fdlite.runner.input_batch import PromptLogprobsInputs, StepInputs
@@ -71,6 +72,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig):
         self.config = config
         self.model_config = model_config
+        self.model_path = model_path
         self.device = select_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         tp_size = config.tensor_parallel_size
@@ -99,6 +101,39 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.graph_runner: CudaGraphRunner | None = None  # decode steps, per padded batch size
         self.mixed_graph_runner: CudaGraphRunner | None = None  # steps with prefill tokens, per padded token count
+        self.closed = False
+
+    def close(self) -> None:
+        """Release everything this runner holds (docs/design.md, "Closing an engine"); idempotent.
+
+        In this order: the CUDA graphs and their memory pools (they write the KV cache and the buffers, so they
+        go first), the graph backend attached to the model (SOT's translated function binds the model: a cycle),
+        the sampler's threads and device token tables, the grammar thread, the KV cache, the forward buffers,
+        every weight, and this engine's custom all-reduce. Tensors are freed in place (`release_tensor`), so
+        a reference left somewhere (a traceback, one layer kept by the caller) keeps an empty object, not the
+        memory. The process groups stay (`Communicator.close`). Nothing here is collective."""
+        if self.closed:
+            return
+        self.closed = True
+        for runner in self.graph_runners:
+            runner.close()
+        self.graph_runner = self.mixed_graph_runner = None
+        model = self.__dict__.get("model")
+        layer = getattr(model, "model", None)
+        if layer is not None and layer.__dict__.get("graph_opt_backend") is not None:
+            layer.graph_opt_backend = None
+        self.sampler.close()
+        self.bitmasks.close()
+        if self.kv_cache is not None:
+            self.kv_cache.release()
+        self.kv_cache = None
+        self.buffers.release()
+        if model is not None:
+            release_layer_tensors(model)
+        self.model = None
+        if get_communicator() is self.comm:
+            set_communicator(None)
+        self.comm.close()
 
     @property
     def bytes_per_block(self) -> int:
@@ -116,8 +151,10 @@ class ModelRunner:
         MoE layers route its tokens to every expert (`balanced_routing`; with fewer token choices than
         experts, to as many as there are choices).
         """
-        reset_peak_memory()
+        fresh_peak = reset_peak_memory()
         before = device_memory()
+        if before is not None and not fresh_peak:
+            release_cached_memory()  # the reserve after the forward then bounds its peak (`profile_peak`)
         lengths = self.profile_lengths(measured=before is not None)
         tokens = sum(lengths)
         temp_blocks = sum(blocks_for(n, self.config.block_size) for n in lengths)
@@ -132,7 +169,9 @@ class ModelRunner:
         self.kv_cache = None
         if before is None:
             return None
-        return MemoryProfile(total=before.total, allocated_before=with_cache.allocated, peak_during=during.peak,
+        key = (self.model_path, self.dtype, self.parallel.rank, tuple(lengths), temp_blocks)
+        peak = profile_peak(during, with_cache.allocated, fresh_peak, key)
+        return MemoryProfile(total=before.total, allocated_before=with_cache.allocated, peak_during=peak,
                              used_after=during.allocated, temporary_kv_bytes=temp_bytes,
                              profile_tokens=tokens)
 

@@ -35,6 +35,7 @@ import numpy as np
 import paddle
 
 from fdlite.kernels.custom_op import dispatch_forward
+from fdlite.threads import shutdown_pool
 from fdlite.sample.logprobs import LogprobsTensors, compute_logprobs
 from fdlite.sample.random import uniforms
 from fdlite.outputs import Logprob
@@ -154,12 +155,21 @@ class Sampler:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._gpu = None  # GpuSampler (sampler_gpu.py), with its device token tables, on the GPU path
-        self._forward = dispatch_forward(self)
+        self._forward = dispatch_forward(self)  # the plain function, called with self (custom_op.py: no cycle)
 
     @paddle.no_grad()
     def __call__(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row; see the module docstring for the order of operations."""
-        return self._forward(logits, batch)
+        return self._forward(self, logits, batch)
+
+    def close(self) -> None:
+        """Stop the draw threads and free the GPU sampler's device token tables (the engine is closing)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            shutdown_pool(pool)
+        gpu, self._gpu = self._gpu, None
+        if gpu is not None:
+            gpu.close()
 
     def forward_gpu(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if self._gpu is None:
@@ -170,7 +180,7 @@ class Sampler:
 
     def logprobs_of(self, logits: paddle.Tensor, targets: np.ndarray, k: int) -> LogprobsTensors:
         """Raw logprobs of every row of `logits` at `targets` [rows], with ranks and the top-k (prompt logprobs)."""
-        if self._forward == self.forward_gpu:
+        if self._forward is type(self).forward_gpu:
             from fdlite.sample.sampler_gpu import logprobs_of  # noqa: PLC0415
 
             return logprobs_of(logits, targets, k)

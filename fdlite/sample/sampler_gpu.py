@@ -23,6 +23,7 @@ import numpy as np
 import paddle
 
 from fdlite.kernels import gpu as gpu_ops
+from fdlite.kernels.device_tensors import release_tensor
 from fdlite.sample.logprobs import LogprobsTensors, unpack
 from fdlite.sample.sampler import _NEG_INF, SamplerOutput, SamplingBatch, bans_a_grammar_leaves
 
@@ -60,6 +61,12 @@ class DeviceTokenTables:
                 gpu_ops.scatter_(table, _upload(rows, np.int64), _upload(cols, np.int64),
                                  _upload(np.ones(len(rows)), np.float32), add=add)
 
+    def release(self) -> None:
+        """Free both tables now (the engine is closing), whoever still holds this object."""
+        for t in (self.counts, self.prompt):
+            release_tensor(t)
+        self.counts = self.prompt = None
+
     def count(self, slots: np.ndarray, tokens: paddle.Tensor) -> None:
         """One more occurrence of each sampled token (int64, on the device) in its slot's output."""
         gpu_ops.scatter_(self.counts, _upload(slots, np.int64), tokens, _upload(np.ones(len(slots)), np.float32), add=True)
@@ -77,6 +84,11 @@ class GpuSampler:
 
     def __init__(self) -> None:
         self.tables: DeviceTokenTables | None = None
+
+    def close(self) -> None:
+        tables, self.tables = self.tables, None
+        if tables is not None:
+            tables.release()
 
     def __call__(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.ndim != 2 or logits.shape[0] != batch.num_rows:

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from fdlite.structured.grammar import compile_grammar
+from fdlite.threads import shutdown_pool
 
 logger = logging.getLogger("fdlite")
 
@@ -106,6 +107,12 @@ class BitmaskFiller:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="fdlite-grammar")
             self._executor = llguidance.LLExecutor()
         return self._pool.submit(self.fill, matchers, eos_token_ids)
+
+    def close(self) -> None:
+        """Stop the fill thread (the engine is closing)."""
+        pool, self._pool, self._executor = self._pool, None, None
+        if pool is not None:
+            shutdown_pool(pool)
 
     def fill(self, matchers: list, eos_token_ids: list[int]) -> np.ndarray:
         t0 = time.perf_counter()

@@ -15,6 +15,7 @@ fresh allocator and its startup numbers are its own:
     python3 tools/gpu/e2e_harness.py churn      --out DIR   # 2,048 requests over 256 rows, token-count graphs vs not
     python3 tools/gpu/e2e_harness.py sampling   --out DIR   # each sampling feature's tokens/s beside plain sampling
     python3 tools/gpu/e2e_harness.py sampling_checks --out DIR  # penalties, bans, logprobs vs transformers; seeded graphs
+    python3 tools/gpu/e2e_harness.py memory     --out DIR   # create / generate / del three times: same KV cache, memory back
 
 Each writes DIR/<section>.json as it goes (a crash keeps what was measured).
 """
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown", "sampling", "churn",
-                                    "sampling_checks"])
+                                    "sampling_checks", "memory"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
@@ -439,6 +440,92 @@ def section_graphs():
 
     run("graphs_1000_decode_steps", case)
     run("graphs_mixed_steps", mixed_case)
+
+
+# ---- memory: create / generate / delete, three times in one process ------------------------------
+
+def section_memory():
+    """What a notebook does: `LLM(...)`, generate, `del llm; gc.collect()`, and again. Every round must get the same
+    KV cache, and each delete must give the memory back: Paddle's allocated bytes after each delete within 100 MiB
+    of where they were before the first `LLM` (on a CPU dry run: the process's RSS, within 256 MiB)."""
+    import gc  # noqa: PLC0415
+
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+
+    gpu = FDL_DEVICE == "gpu"
+    if gpu:
+        import paddle  # noqa: PLC0415
+
+    def mib(n):
+        return round(n / 2**20, 1)
+
+    def stats():
+        if gpu:
+            return {"allocated_MiB": mib(paddle.device.cuda.memory_allocated()),
+                    "reserved_MiB": mib(paddle.device.cuda.memory_reserved())}
+        with open("/proc/self/statm") as f:
+            return {"rss_MiB": mib(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))}
+
+    key, bound = ("allocated_MiB", 100) if gpu else ("rss_MiB", 256)
+    state = {}
+
+    def setup():
+        # Qwen3-0.6B's shapes on the GPU (random bf16 weights); the dry run's small model on CPU.
+        state["path"] = qwen3_06b() if gpu else small_model("qwen3")
+        gc.collect()
+        state["start"] = stats()
+        out = {"model": os.path.basename(state["path"]), "start": state["start"]}
+        if gpu:
+            from paddle.base import core  # noqa: PLC0415
+
+            out["peak_reset_available"] = bool(getattr(paddle.device.cuda, "reset_max_memory_allocated", None)
+                                               or hasattr(core, "device_memory_stat_reset_peak_value"))
+        return out
+
+    def round_case(i):
+        def f():
+            rng = np.random.default_rng(i)
+            prompts = [{"prompt_token_ids": rng.integers(3, 1000, size=int(k)).tolist()} for k in (7, 60, 200, 513)]
+            before = stats()
+            t = time.time()
+            llm = LLM(state["path"], device=FDL_DEVICE, skip_tokenizer_init=True, max_model_len=4096 if gpu else 2048,
+                      use_cudagraph=True)  # the dry run's model has 2048 positions
+            created, create_s = stats(), time.time() - t
+            outs = llm.generate(prompts, SamplingParams(temperature=0.8, seed=i, max_tokens=32, ignore_eos=True),
+                                use_tqdm=False)
+            generated = stats()
+            res = {"kv_blocks": llm.num_blocks, "create_s": round(create_s, 1),
+                   "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                   "cudagraph_sizes": llm.startup_report["cudagraph_sizes"],
+                   "cudagraph_replays": llm.last_generate_stats.get("cudagraph_replays"),
+                   "before": before, "after_create": created, "after_generate": generated}
+            t = time.time()
+            del llm  # no cycle keeps it: this alone releases it (the collector below should find nothing of it)
+            res["after_del"], res["del_s"] = stats(), round(time.time() - t, 2)
+            gc.collect()
+            res["after_del_gc"] = stats()
+            res["pass"] = (res["tokens"] == 32 * len(prompts)
+                           and res["after_del_gc"][key] - state["start"][key] <= bound)
+            return res
+        return f
+
+    def summary():
+        rounds = [RES["results"].get(f"round_{i}") for i in range(3)]
+        if any(r is None for r in rounds):
+            return {"pass": False, "why": "a round failed (see errors)"}
+        blocks = [r["kv_blocks"] for r in rounds]
+        kept = [round(r["after_del_gc"][key] - state["start"][key], 1) for r in rounds]
+        grown = [round(r["after_create"][key] - r["before"][key], 1) for r in rounds]
+        return {"kv_blocks": blocks, f"{key}_kept_after_each_delete": kept, f"{key}_per_engine": grown,
+                "bound_MiB": bound, "pass": len(set(blocks)) == 1 and blocks[0] > 0 and max(kept) <= bound
+                and all(r["pass"] for r in rounds)}
+
+    run("setup", setup)
+    if "path" not in state:
+        return
+    for i in range(3):
+        run(f"round_{i}", round_case(i))
+    run("summary", summary)
 
 
 # ---- throughput (nano-vllm's protocol) ------------------------------------------------------------
@@ -1095,7 +1182,7 @@ def section_sampling_checks():
 if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
      "throughput": section_throughput, "diag": section_diag, "breakdown": section_breakdown,
-     "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn}[ARGS.section]()
+     "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn, "memory": section_memory}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))
