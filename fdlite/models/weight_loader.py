@@ -367,6 +367,21 @@ def _write(dst: np.ndarray, dst_tag: str, src: np.ndarray, src_tag: str) -> None
         _convert(dst, dst_tag, src, src_tag)
 
 
+_WORKERS = max(1, min(8, os.cpu_count() or 1))  # threads for numpy writes
+_CHUNK_BYTES = 8 << 20  # a thread's share of a large write, at least
+
+
+def _write_chunks(dst: np.ndarray, dst_tag: str, src: np.ndarray, src_tag: str) -> list[tuple]:
+    """`_write`'s arguments for pieces of a large write, split along axis 0 (rows of the destination)."""
+    rows = dst.shape[0] if dst.ndim else 1
+    n = max(1, min(rows, dst.nbytes // _CHUNK_BYTES, 4 * _WORKERS))
+    if n == 1:
+        return [(dst, dst_tag, src, src_tag)]
+    step = -(-rows // n)
+    return [(dst[i:i + step], dst_tag, src[i:i + step], src_tag) for i in range(0, rows, step)]
+
+
+
 def _dtype_name(param: paddle.Tensor) -> str:
     return str(param.dtype).replace("paddle.", "")
 
@@ -374,11 +389,40 @@ def _dtype_name(param: paddle.Tensor) -> str:
 # ------------------------------------------------------------------ destinations
 class _Writer:
     """Writes pieces of parameters (numpy arrays in the parameter's orientation) into their places; every
-    parameter is allocated once, empty, by `_allocate`."""
+    parameter is allocated once, empty, by `_allocate`. Large numpy writes run in row chunks on a few threads
+    (numpy releases the GIL)."""
 
     def __init__(self, params: dict):
         self.params = params
         self.staged: dict[str, np.ndarray] = {}  # parameter -> its value assembled on the host
+        self.pool = ThreadPoolExecutor(max_workers=_WORKERS) if _WORKERS > 1 else None
+        self.jobs: list = []
+
+    def write(self, dst: np.ndarray, dst_tag: str, src: np.ndarray, src_tag: str, wait: bool) -> None:
+        """`_write`, on the pool when large; wait: before returning (else by `join`)."""
+        if self.pool is None or src.nbytes < (1 << 20):
+            _write(dst, dst_tag, src, src_tag)
+            return
+        jobs = [self.pool.submit(_write, *args) for args in _write_chunks(dst, dst_tag, src, src_tag)]
+        if wait:
+            for job in jobs:
+                job.result()
+        else:
+            self.jobs.extend(jobs)
+
+    def join(self) -> None:
+        try:
+            for job in self.jobs:
+                job.result()
+        finally:
+            self.jobs.clear()
+
+    def close(self) -> None:
+        try:
+            self.join()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown()
 
     def _allocate(self, name: str) -> paddle.Tensor:
         param = self.params[name]
@@ -394,14 +438,12 @@ class _Writer:
 
 
 class _HostWriter(_Writer):
-    """CPU: numpy writes straight into each parameter's memory (DLPack view), on a few threads; a dtype without
-    DLPack (bfloat16) is assembled on the host and set once."""
+    """CPU: numpy writes straight into each parameter's memory (DLPack view); a dtype without DLPack (bfloat16)
+    is assembled on the host and set once."""
 
     def __init__(self, params: dict):
         super().__init__(params)
         self.views: dict[str, np.ndarray | None] = {}
-        self.pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)))
-        self.jobs = []
 
     def view(self, name: str) -> np.ndarray:
         if name not in self.views:
@@ -415,22 +457,13 @@ class _HostWriter(_Writer):
 
     def put(self, name: str, region, value: np.ndarray, tag: str) -> None:
         """region: a function of the parameter's full array -> the piece's place in it."""
-        dst = region(self.view(name))
-        dst_tag = _TAG[_dtype_name(self.params[name])]
-        if value.size >= 1 << 16:
-            self.jobs.append(self.pool.submit(_write, dst, dst_tag, value, tag))
-        else:
-            _write(dst, dst_tag, value, tag)
+        self.write(region(self.view(name)), _TAG[_dtype_name(self.params[name])], value, tag, wait=False)
 
     def done(self, name: str) -> None:
         pass
 
     def finish(self) -> None:
-        try:
-            for job in self.jobs:
-                job.result()
-        finally:
-            self.pool.shutdown()
+        self.close()
         for name, value in self.staged.items():
             self.params[name].set_value(value)
 
@@ -450,13 +483,13 @@ class _DeviceWriter(_Writer):
         dst_tag = _TAG[_dtype_name(param)]
         if dst_tag != tag or not value.flags.c_contiguous:
             host = np.empty(value.shape, np.dtype(_NUMPY[dst_tag]))
-            _write(host, dst_tag, value, tag)
+            self.write(host, dst_tag, value, tag, wait=True)
             value = host
         if value.nbytes:
             self.copies.append((param.data_ptr() + first_element * value.itemsize, value, value.nbytes))
 
     def put(self, name: str, region, value: np.ndarray, tag: str) -> None:
-        _write(region(self.stage(name)), _TAG[_dtype_name(self.params[name])], value, tag)
+        self.write(region(self.stage(name)), _TAG[_dtype_name(self.params[name])], value, tag, wait=True)
 
     def flush(self) -> None:
         if self.copies:
@@ -472,7 +505,10 @@ class _DeviceWriter(_Writer):
             self.flush()
 
     def finish(self) -> None:
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            self.close()
 
 
 # ------------------------------------------------------------------ the loader
