@@ -427,7 +427,11 @@ class _Writer:
     def _allocate(self, name: str) -> paddle.Tensor:
         param = self.params[name]
         if not param._is_initialized():
-            paddle.empty(param.shape, dtype=param.dtype)._share_buffer_to(param)
+            memory = paddle.empty(param.shape, dtype=param.dtype)  # an allocation, no kernel
+            if hasattr(memory, "_share_buffer_to"):
+                memory._share_buffer_to(param)
+            else:  # what Paddle's own Layer.to does
+                param.value().get_tensor()._share_data_with(memory.value().get_tensor())
         return param
 
     def stage(self, name: str) -> np.ndarray:
