@@ -427,11 +427,9 @@ class _Writer:
     def _allocate(self, name: str) -> paddle.Tensor:
         param = self.params[name]
         if not param._is_initialized():
-            memory = paddle.empty(param.shape, dtype=param.dtype)  # an allocation, no kernel
-            if hasattr(memory, "_share_buffer_to"):
-                memory._share_buffer_to(param)
-            else:  # what Paddle's own Layer.to does
-                param.value().get_tensor()._share_data_with(memory.value().get_tensor())
+            # An allocation, no kernel, handed to the parameter as Paddle's own initializers (2.6 and 3.x) hand
+            # theirs over.
+            paddle.empty(param.shape, dtype=param.dtype)._share_underline_tensor_to(param)
         return param
 
     def stage(self, name: str) -> np.ndarray:
