@@ -381,7 +381,6 @@ def _write_chunks(dst: np.ndarray, dst_tag: str, src: np.ndarray, src_tag: str) 
     return [(dst[i:i + step], dst_tag, src[i:i + step], src_tag) for i in range(0, rows, step)]
 
 
-
 def _dtype_name(param: paddle.Tensor) -> str:
     return str(param.dtype).replace("paddle.", "")
 
