@@ -51,6 +51,7 @@ def copy_from_host_many(dst_ptrs, src_ptrs, nbytes):
     import ctypes
 
     CALLS["copy_from_host_many"] += 1
+    CALLS["copy_from_host_many_copies"] += len(dst_ptrs)
     for d, s_, n in zip(dst_ptrs, src_ptrs, nbytes):
         ctypes.memmove(d, s_, n)
 

@@ -53,7 +53,7 @@ class DecoderSpec:
 
 
 class DecoderAttention(nn.Layer):
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, max_positions: int,
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, rotary: RotaryEmbedding,
                  tp: TPPartition):
         super().__init__()
         num_heads, num_kv_heads, head_dim = tp.num_heads, tp.num_kv_heads, cfg.head_dim
@@ -65,7 +65,6 @@ class DecoderAttention(nn.Layer):
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        rotary = RotaryEmbedding(head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.attn = Attention(num_heads, num_kv_heads, head_dim, layer_id, rotary, self.q_norm, self.k_norm)
 
     def forward(self, positions: paddle.Tensor, hidden: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
@@ -87,11 +86,11 @@ class DecoderMLP(nn.Layer):
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, max_positions: int,
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, dtype: str, rotary: RotaryEmbedding,
                  tp: TPPartition, mlp: nn.Layer):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = DecoderAttention(cfg, spec, layer_id, dtype, max_positions, tp)
+        self.self_attn = DecoderAttention(cfg, spec, layer_id, dtype, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = mlp
 
@@ -116,7 +115,9 @@ class DecoderModel(nn.Layer):
                  make_mlp: Callable[[int], nn.Layer]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.hidden_size, dtype, tp.vocab_per_rank, tp.rank, tp.size)
-        self.layers = nn.LayerList([DecoderLayer(cfg, spec, i, dtype, max_positions, tp, make_mlp(i))
+        # One cos/sin table for every layer, for the positions the engine can reach (max_model_len).
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.LayerList([DecoderLayer(cfg, spec, i, dtype, self.rotary_emb, tp, make_mlp(i))
                                     for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

@@ -7,44 +7,61 @@ into `qkv_proj` / `up_gate_proj`). A Paddle name is spelled the Hugging Face way
 fused tensors split into their parts), then both follow one route; shapes are checked in the
 checkpoint's own orientation and a mismatch names the tensor and the layout.
 
-MoE checkpoints store one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...); they are
-stacked into the [experts, in, out] parameters of `fdlite/layers/moe.py`, each rank reading its columns of
+MoE checkpoints store one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...); each lands in its
+slice [e] of the [experts, in, out] parameters of `fdlite/layers/moe.py`, each rank reading its columns of
 every expert. ERNIE's q/k rows are reordered within each head (`_deinterleave`, see
 `DecoderSpec.rope_interleaved`).
 
 Checkpoint names map onto the model's parameters one to one, except that q/k/v and gate/up are
 stacked into the fused `qkv_proj` / `gate_up_proj` matrices, and linear weights land in the device's
-orientation (`Linear.weight_out_in`: [in, out] on CPU, [out, in] on GPU), transposed when the checkpoint's
-differs, straight into the parameter (`_fill`: loading
-time on CPU is mostly memory traffic and first-touch page faults, so every extra copy of 2.4 GB of
-Qwen3-0.6B costs about a second). Shapes in messages are the checkpoint's. Every checkpoint tensor must land
-somewhere and every parameter must be filled: a missing, unexpected or wrongly shaped tensor is an
-error that names it.
+orientation (`Linear.weight_out_in`: [in, out] on CPU, [out, in] on GPU). Every checkpoint tensor must
+land somewhere and every parameter must be filled: a missing, unexpected or wrongly shaped tensor is an
+error that names it. Shapes in messages are the checkpoint's.
 
-With tensor parallelism each rank reads only its own slice of every split tensor
-(`safe_open(...).get_slice(name)[rows]` reads just those bytes of the file), as `TPPartition` says:
-rows of q/k/v, gate/up, the embedding and the LM head; columns of o_proj and down_proj. Norms and the
-row-parallel biases are read whole. The fused matrices are assembled from the slices, so rank r's
-qkv_proj is [q_r | k_r | v_r], the layout its attention splits.
+How the bytes move (issue 24: loading runs at the speed of memory, not of Paddle's CPU kernels). Each
+file is memory-mapped (`SafetensorsFile`: the header parsed here, every tensor a numpy view of the
+mapping, bfloat16 as its uint16 bits, nothing read before it is used), and each tensor, or this rank's
+slice of it, is written once into its place in the parameter, which is allocated empty and written
+nowhere else:
+
+- GPU: a piece of a parameter stored [out, in] (every GPU `Linear`, the embedding, norms, biases) is a
+  run of whole rows, so a plain host-to-device copy at an offset from the mapped file: no host copy, no
+  Paddle op (on the Hoppers Paddle's kernels do nothing). Only where the bytes differ from the
+  parameter's is a host array made first, with numpy: another dtype (`_convert`), a Paddle-layout
+  ([in, out]) weight transposed, ERNIE's q/k rows reordered. The copies of one checkpoint tensor go in
+  one `copy_from_host_many` call. Parameters whose pieces are not whole rows (the MoE experts' [E, in,
+  out]) are assembled on the host, then copied once.
+- CPU: numpy writes each piece straight into the parameter's memory (a DLPack view), converting
+  bfloat16 bits to float32 and transposing [out, in] to [in, out] in the same pass (in column blocks,
+  cache-friendly), on a few threads (numpy releases the GIL).
+
+With tensor parallelism each rank reads only its own slice of every split tensor (a slice of the mapped
+file: only those pages are touched), as `TPPartition` says: rows of q/k/v, gate/up, the embedding and the
+LM head; columns of o_proj and down_proj. Norms and the row-parallel biases are read whole. The fused
+matrices are assembled from the slices, so rank r's qkv_proj is [q_r | k_r | v_r], the layout its
+attention splits; the last rank's vocabulary rows past the vocabulary are zeros.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import mmap
 import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import paddle
-from safetensors import safe_open
 
-from fdlite.models.decoder import DecoderForCausalLM
-from fdlite.models.tp_partition import TPPartition
+from fdlite.kernels import gpu as gpu_ops
 from fdlite.kernels import platform
 from fdlite.layers.linear import Linear
+from fdlite.layers.rotary import host_bits
+from fdlite.models.decoder import DecoderForCausalLM
+from fdlite.models.tp_partition import TPPartition
 
 # Tensors some exporters write that carry nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -64,6 +81,59 @@ def weight_files(path: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"model folder {path!r} has no *.safetensors weight file")
     return files
+
+
+# safetensors dtype -> the numpy dtype of its bytes (bfloat16: its uint16 bits; numpy has no bfloat16).
+_NUMPY = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "i1", "U8": "u1", "I16": "<i2",
+          "I32": "<i4", "I64": "<i8", "BOOL": "?"}
+# Paddle dtype name -> safetensors dtype of the same bytes.
+_TAG = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int8": "I8", "uint8": "U8",
+        "int16": "I16", "int32": "I32", "int64": "I64", "bool": "BOOL"}
+
+
+class SafetensorsFile:
+    """One `*.safetensors` file, memory-mapped: its header (an 8-byte length, then JSON: each tensor's dtype,
+    shape and byte range), and each tensor as a read-only numpy view of the mapping (`read`)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + n else b""
+        if isinstance(self._map, mmap.mmap) and hasattr(mmap, "MADV_WILLNEED"):
+            self._map.madvise(mmap.MADV_WILLNEED)  # read ahead what is not in the page cache yet
+        header.pop("__metadata__", None)
+        self.header: dict = header
+        self._base = 8 + n
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.header[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+    def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> np.ndarray:
+        """Tensor `name` (elements [start, stop) along `axis`; None: whole) as a view of the mapped file:
+        only the pages it covers are ever read."""
+        info = self.header[name]
+        if info["dtype"] not in _NUMPY:
+            raise ValueError(f"tensor {name!r} in {os.path.basename(self.path)} has dtype {info['dtype']}, "
+                             f"which fdlite does not load (supported: {', '.join(_NUMPY)})")
+        dtype = np.dtype(_NUMPY[info["dtype"]])
+        shape = info["shape"]
+        begin, end = info["data_offsets"]
+        if end == begin:
+            a = np.zeros(shape, dtype)
+        else:
+            a = np.frombuffer(self._map, dtype, (end - begin) // dtype.itemsize, self._base + begin).reshape(shape)
+        if axis is None:
+            return a
+        return a[start:stop] if axis == 0 else a[:, start:stop]
 
 
 @dataclass(frozen=True)
@@ -173,7 +243,7 @@ def _ignored(name: str) -> bool:
     return name.endswith(_IGNORED_SUFFIXES) or ".mtp" in name or name.startswith("mtp")
 
 
-def detect_layout(files: list[str], model: DecoderForCausalLM, linear_params: dict[str, bool]) -> Layout:
+def detect_layout(files: list, model: DecoderForCausalLM, linear_params: dict[str, bool]) -> Layout:
     """The checkpoint's layout, from its names and shapes (headers only, no tensor data read).
 
     Names: anything but `model.` / `lm_head.` as the first component is a Paddle-style prefix. Shapes:
@@ -182,14 +252,14 @@ def detect_layout(files: list[str], model: DecoderForCausalLM, linear_params: di
     prefix = "model"
     shapes = {}
     for file in files:
-        with safe_open(file, framework="numpy") as f:
-            for name in f.keys():
-                if _ignored(name):
-                    continue
-                head = name.split(".", 1)[0]
-                if head not in ("model", "lm_head"):
-                    prefix = head
-                shapes[name] = list(f.get_slice(name).get_shape())
+        f = SafetensorsFile(file) if isinstance(file, str) else file
+        for name in f.keys():
+            if _ignored(name):
+                continue
+            head = name.split(".", 1)[0]
+            if head not in ("model", "lm_head"):
+                prefix = head
+            shapes[name] = f.shape(name)
     params = dict(model.named_parameters())
     for name, shape in shapes.items():
         canon = "model." + name.split(".", 1)[1] if name.split(".", 1)[0] == prefix else name
@@ -215,45 +285,6 @@ def _expected(r: Route, param: paddle.Tensor, linear: bool, out_in: bool = False
     if r.axis is not None:
         local[r.axis] = r.full
     return local
-
-
-def _read(f, name: str, ax: int | None, start: int, stop: int, file: str) -> paddle.Tensor:
-    """Elements [start, stop) along axis `ax` (None: whole) of tensor `name`: only those bytes are read."""
-    whole = ax is None or (start == 0 and stop == f.get_slice(name).get_shape()[ax])
-    if f.get_slice(name).get_dtype() == "BF16" and not hasattr(paddle.base.core, "frombuffer"):
-        return _read_bf16_bits(file, name, None if whole else (ax, start, stop))
-    if whole:
-        return f.get_tensor(name)
-    part = f.get_slice(name)
-    index = (slice(start, stop),) if ax == 0 else (slice(None), slice(start, stop))
-    # A copy: with safetensors 0.8 and Paddle 3.3.1, two live slices of one tensor abort the process at
-    # exit ("The deleter of the pointer is not found", measured); a copy owns its memory.
-    return part[index].clone()
-
-
-def _read_bf16_bits(file: str, name: str, r: tuple[int, int, int] | None) -> paddle.Tensor:
-    """A bfloat16 tensor read as its uint16 bits, which Paddle takes back as bfloat16.
-
-    safetensors builds Paddle tensors through numpy when Paddle has no `core.frombuffer` (Paddle 2.6), and
-    numpy has no bfloat16 ("data type 'bfloat16' not understood"); the file format is simple enough to read
-    directly: an 8-byte header length, a JSON header with each tensor's byte range, then the data."""
-    with open(file, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        info = json.loads(fh.read(n))[name]
-    start, end = info["data_offsets"]
-    bits = np.fromfile(file, dtype="<u2", count=(end - start) // 2, offset=8 + n + start).reshape(info["shape"])
-    if r is not None:
-        ax, start, stop = r
-        bits = bits[start:stop] if ax == 0 else bits[:, start:stop]
-    return paddle.to_tensor(np.ascontiguousarray(bits), place=paddle.CPUPlace())
-
-
-def _deinterleave(t: paddle.Tensor, axis: int, head_dim: int) -> paddle.Tensor:
-    """Reorder each head's features (0, 1, 2, 3, ...) -> (0, 2, ..., 1, 3, ...) along `axis`: an interleaved
-    rotary pair (2i, 2i + 1) lands on (i, i + d/2), where the halves layout rotates it."""
-    n = t.shape[axis]
-    idx = np.arange(n).reshape(-1, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
-    return paddle.index_select(t, paddle.to_tensor(idx, dtype="int64", place=paddle.CPUPlace()), axis=axis)
 
 
 def _reads(ckpt_name: str, shape: list[int], layout: Layout, model, params, linear_params, file):
@@ -297,6 +328,191 @@ def _reads(ckpt_name: str, shape: list[int], layout: Layout, model, params, line
     return out
 
 
+
+
+def _deinterleave(a: np.ndarray, axis: int, head_dim: int) -> np.ndarray:
+    """Reorder each head's features (0, 1, 2, 3, ...) -> (0, 2, ..., 1, 3, ...) along `axis`: an interleaved
+    rotary pair (2i, 2i + 1) lands on (i, i + d/2), where the halves layout rotates it."""
+    n = a.shape[axis]
+    idx = np.arange(n).reshape(-1, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
+    return np.take(a, idx, axis=axis)
+
+
+# ------------------------------------------------------------------ numpy writes with dtype conversion
+_BLOCK = 64  # columns per block of a transposing write: a few cache lines of each source row
+
+
+def _convert(dst: np.ndarray, dst_tag: str, src: np.ndarray, src_tag: str) -> None:
+    """dst[...] = src converted from safetensors dtype `src_tag` to `dst_tag` (bfloat16 as uint16 bits both ways:
+    widening is a shift, narrowing rounds to nearest even as Paddle's cast does)."""
+    if src_tag == dst_tag:
+        np.copyto(dst, src)
+    elif src_tag == "BF16" and dst_tag == "F32":
+        np.left_shift(src, 16, out=dst.view(np.uint32), dtype=np.uint32)
+    elif src_tag == "BF16":
+        np.copyto(dst, (src.astype(np.uint32) << 16).view(np.float32), casting="unsafe")
+    elif dst_tag == "BF16":
+        dst[...] = host_bits(src.astype(np.float32), "bfloat16")
+    else:
+        np.copyto(dst, src, casting="unsafe")
+
+
+def _write(dst: np.ndarray, dst_tag: str, src: np.ndarray, src_tag: str) -> None:
+    """`_convert`, in blocks of columns when `src` is a transposed view (rows of `dst` read a column of the
+    checkpoint each: whole-array, that walks the source with a stride of one row per element)."""
+    if src.ndim == 2 and not src.flags.c_contiguous and src.shape[1] > _BLOCK and src.strides[0] < src.strides[1]:
+        for j in range(0, src.shape[1], _BLOCK):
+            _convert(dst[:, j:j + _BLOCK], dst_tag, src[:, j:j + _BLOCK], src_tag)
+    else:
+        _convert(dst, dst_tag, src, src_tag)
+
+
+_WORKERS = max(1, min(8, os.cpu_count() or 1))  # threads for numpy writes
+_CHUNK_BYTES = 8 << 20  # a thread's share of a large write, at least
+
+
+def _write_chunks(dst: np.ndarray, dst_tag: str, src: np.ndarray, src_tag: str) -> list[tuple]:
+    """`_write`'s arguments for pieces of a large write, split along axis 0 (rows of the destination)."""
+    rows = dst.shape[0] if dst.ndim else 1
+    n = max(1, min(rows, dst.nbytes // _CHUNK_BYTES, 4 * _WORKERS))
+    if n == 1:
+        return [(dst, dst_tag, src, src_tag)]
+    step = -(-rows // n)
+    return [(dst[i:i + step], dst_tag, src[i:i + step], src_tag) for i in range(0, rows, step)]
+
+
+def _dtype_name(param: paddle.Tensor) -> str:
+    return str(param.dtype).replace("paddle.", "")
+
+
+# ------------------------------------------------------------------ destinations
+class _Writer:
+    """Writes pieces of parameters (numpy arrays in the parameter's orientation) into their places; every
+    parameter is allocated once, empty, by `_allocate`. Large numpy writes run in row chunks on a few threads
+    (numpy releases the GIL)."""
+
+    def __init__(self, params: dict):
+        self.params = params
+        self.staged: dict[str, np.ndarray] = {}  # parameter -> its value assembled on the host
+        self.pool = ThreadPoolExecutor(max_workers=_WORKERS) if _WORKERS > 1 else None
+        self.jobs: list = []
+
+    def write(self, dst: np.ndarray, dst_tag: str, src: np.ndarray, src_tag: str, wait: bool) -> None:
+        """`_write`, on the pool when large; wait: before returning (else by `join`)."""
+        if self.pool is None or src.nbytes < (1 << 20):
+            _write(dst, dst_tag, src, src_tag)
+            return
+        jobs = [self.pool.submit(_write, *args) for args in _write_chunks(dst, dst_tag, src, src_tag)]
+        if wait:
+            for job in jobs:
+                job.result()
+        else:
+            self.jobs.extend(jobs)
+
+    def join(self) -> None:
+        try:
+            for job in self.jobs:
+                job.result()
+        finally:
+            self.jobs.clear()
+
+    def close(self) -> None:
+        try:
+            self.join()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown()
+
+    def _allocate(self, name: str) -> paddle.Tensor:
+        param = self.params[name]
+        if not param._is_initialized():
+            # An allocation, no kernel, handed to the parameter as Paddle's own initializers (2.6 and 3.x) hand
+            # theirs over.
+            paddle.empty(param.shape, dtype=param.dtype)._share_underline_tensor_to(param)
+        return param
+
+    def stage(self, name: str) -> np.ndarray:
+        if name not in self.staged:
+            param = self.params[name]
+            self.staged[name] = np.empty(param.shape, np.dtype(_NUMPY[_TAG[_dtype_name(param)]]))
+        return self.staged[name]
+
+
+class _HostWriter(_Writer):
+    """CPU: numpy writes straight into each parameter's memory (DLPack view); a dtype without DLPack (bfloat16)
+    is assembled on the host and set once."""
+
+    def __init__(self, params: dict):
+        super().__init__(params)
+        self.views: dict[str, np.ndarray | None] = {}
+
+    def view(self, name: str) -> np.ndarray:
+        if name not in self.views:
+            param = self._allocate(name)
+            try:
+                self.views[name] = np.from_dlpack(param.detach())
+            except Exception:  # noqa: BLE001 - no DLPack for this dtype (bfloat16) or this Paddle
+                self.views[name] = None
+        v = self.views[name]
+        return v if v is not None else self.stage(name)
+
+    def put(self, name: str, region, value: np.ndarray, tag: str) -> None:
+        """region: a function of the parameter's full array -> the piece's place in it."""
+        self.write(region(self.view(name)), _TAG[_dtype_name(self.params[name])], value, tag, wait=False)
+
+    def done(self, name: str) -> None:
+        pass
+
+    def finish(self) -> None:
+        self.close()
+        for name, value in self.staged.items():
+            self.params[name].set_value(value)
+
+
+class _DeviceWriter(_Writer):
+    """GPU: each piece that is whole rows of its parameter is one host-to-device copy at its offset, from the
+    mapped file when its bytes are the parameter's already; other parameters are assembled on the host and
+    copied once when complete (`done`)."""
+
+    def __init__(self, params: dict):
+        super().__init__(params)
+        self.copies: list[tuple[int, np.ndarray, int]] = []  # (device address, host bytes, size)
+
+    def put_rows(self, name: str, first_element: int, value: np.ndarray, tag: str) -> None:
+        """value: whole rows of the parameter (row-major), starting at flat element `first_element`."""
+        param = self._allocate(name)
+        dst_tag = _TAG[_dtype_name(param)]
+        if dst_tag != tag or not value.flags.c_contiguous:
+            host = np.empty(value.shape, np.dtype(_NUMPY[dst_tag]))
+            self.write(host, dst_tag, value, tag, wait=True)
+            value = host
+        if value.nbytes:
+            self.copies.append((param.data_ptr() + first_element * value.itemsize, value, value.nbytes))
+
+    def put(self, name: str, region, value: np.ndarray, tag: str) -> None:
+        self.write(region(self.stage(name)), _TAG[_dtype_name(self.params[name])], value, tag, wait=True)
+
+    def flush(self) -> None:
+        if self.copies:
+            gpu_ops.copy_from_host_many([d for d, _, _ in self.copies], [h.ctypes.data for _, h, _ in self.copies],
+                                        [n for _, _, n in self.copies])
+            self.copies.clear()  # the runtime staged pageable sources before returning: they may go
+
+    def done(self, name: str) -> None:
+        """Every piece of `name` has arrived: a parameter assembled on the host goes to the device."""
+        value = self.staged.pop(name, None)
+        if value is not None:
+            self.put_rows(name, 0, value, _TAG[_dtype_name(self.params[name])])
+            self.flush()
+
+    def finish(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self.close()
+
+
+# ------------------------------------------------------------------ the loader
 def load_weights(model: DecoderForCausalLM, path: str) -> None:
     """Fill every parameter of `model` from the checkpoint in `path` (either layout, detected; see `Layout`)."""
     params = dict(model.named_parameters())
@@ -304,7 +520,7 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
     linear_params = {f"{name}.weight": layer.weight_out_in for name, layer in model.named_sublayers()
                      if isinstance(layer, Linear)}
     expert_params = {name for name in params if name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
-    files = weight_files(path)
+    files = [SafetensorsFile(f) for f in weight_files(path)]
     layout = detect_layout(files, model, linear_params)
     # target param -> {piece: checkpoint name (Hugging Face spelling)} still to fill
     pending: dict[str, dict] = {name: {None: name} for name in params}
@@ -321,33 +537,32 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
             kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
             pending[name] = {(e, i): f"{base}experts.{e}.{k}_proj.weight"
                              for e in range(params[name].shape[0]) for i, k in enumerate(kinds)}
-    parts: dict[str, dict] = {name: {} for name in params}
+    offsets = _piece_offsets(pending, model)
+    # stored [in, out]: CPU linear weights and the experts; the output axis is then the last
+    in_out = {name: (name in linear_params and not linear_params[name]) or name in expert_params for name in params}
+    gpu = platform.is_gpu()
+    writer = _DeviceWriter(params) if gpu else _HostWriter(params)
 
-    for file in files:
-        # Host tensors (device="cpu"): stacking, casting and transposing run on the CPU whatever the device.
-        with safe_open(file, framework="paddle", device="cpu") as f:
+    try:
+        for f in files:
             for ckpt_name in f.keys():
                 if _ignored(ckpt_name):
                     continue
-                shape = list(f.get_slice(ckpt_name).get_shape())
-                for r, ax, start, stop in _reads(ckpt_name, shape, layout, model, params, linear_params, file):
-                    param = params[r.target]
-                    tensor = _read(f, ckpt_name, ax, start, stop, file)
-                    if tensor.dtype != param.dtype:
-                        tensor = tensor.astype(param.dtype)
+                shape = f.shape(ckpt_name)
+                tag = f.dtype(ckpt_name)
+                for r, ax, start, stop in _reads(ckpt_name, shape, layout, model, params, linear_params, f.path):
+                    src = f.read(ckpt_name, ax, start, stop)  # checkpoint orientation, a view of the file
+                    ckpt_in_out = layout.transposed and src.ndim == 2 and (r.target in linear_params or r.expert)
                     if r.head_dim:
-                        tensor = _deinterleave(tensor, 1 if layout.transposed and tensor.ndim == 2 else 0, r.head_dim)
-                    if r.piece is None and r.axis is not None and ax is not None:
-                        # the parameter's shape in the checkpoint's orientation
-                        flip = r.target in linear_params and linear_params[r.target] == layout.transposed
-                        local = list(param.shape)[::-1] if flip else list(param.shape)
-                        if tensor.shape[ax] < local[ax]:
-                            # The last rank's vocabulary rows: zero padding up to vocab_per_rank.
-                            pad = list(tensor.shape)
-                            pad[ax] = local[ax] - tensor.shape[ax]
-                            tensor = paddle.concat([tensor, paddle.zeros(pad, dtype=tensor.dtype)], axis=ax)
-                    parts[r.target][r.piece] = tensor  # checkpoint orientation; transposed once, into the parameter
+                        src = _deinterleave(src, 1 if ckpt_in_out else 0, r.head_dim)
+                    _place(writer, gpu, r, src, tag, ckpt_in_out, in_out[r.target], offsets, params[r.target])
                     pending[r.target].pop(r.piece, None)
+                    if not pending[r.target]:
+                        writer.done(r.target)
+                if gpu:
+                    writer.flush()  # this tensor's copies, in one call
+    finally:
+        writer.finish()
 
     missing = [ckpt for per_param in pending.values() for ckpt in per_param.values()]
     if missing:
@@ -355,40 +570,52 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         spelled = "" if not layout.transposed else f" (Hugging Face names; this checkpoint's prefix is {layout.prefix!r})"
         raise ValueError(f"missing tensor {shown}{more}{spelled} in the weights of {path!r}")
-
-    fill = _fill_from_host if platform.is_gpu() else _fill
-    with paddle.no_grad():
-        for name, param in params.items():
-            got = parts.pop(name)
-            if name in expert_params:
-                value = paddle.stack([_value({p: got[(e, p)] for (e2, p) in got if e2 == e}, True, layout)
-                                      for e in range(param.shape[0])])
-                fill(param, value)
-            else:
-                fill(param, _value(got, name in linear_params, layout, linear_params.get(name, False)))
+    if gpu and paddle.is_compiled_with_cuda():
+        paddle.device.cuda.synchronize()  # a failed copy shows here, not in the first step
 
 
-def _value(got: dict, linear: bool, layout: Layout, out_in: bool = False) -> paddle.Tensor:
-    """One parameter's value in its own orientation from its checkpoint pieces: pieces stack along the
-    output axis (axis 0 of [out, in] and of a bias, axis 1 of [in, out]); a linear weight whose checkpoint
-    orientation differs from the parameter's (`out_in`) is returned as a transposed view, copied once into
-    the parameter by `_fill`."""
-    if None in got:
-        value = got[None]
-    else:
-        axis = 1 if layout.transposed and linear else 0
-        value = paddle.concat([got[p] for p in sorted(got)], axis=axis)
-    return value.t() if linear and out_in == layout.transposed else value
+def _piece_offsets(pending: dict, model) -> dict:
+    """param -> {piece: offset along the parameter's output axis} for the fused (stacked) parameters: pieces
+    sit side by side in piece order ([q | k | v], [gate | up]; per expert for the experts' pieces (e, i))."""
+    out = {}
+    for name, per in pending.items():
+        if len(per) < 2:
+            continue
+        offs, at = {}, {}
+        for piece in sorted(per, key=lambda p: (p[0], p[1]) if isinstance(p, tuple) else (0, p)):
+            group = piece[0] if isinstance(piece, tuple) else None
+            offs[piece] = at.get(group, 0)
+            r = route(per[piece], model)
+            at[group] = offs[piece] + (r.stop - r.start)
+        out[name] = offs
+    return out
 
 
-def _fill(param: paddle.Tensor, value: paddle.Tensor) -> None:
-    """Write `value` into the parameter, with one copy per byte where possible: a transposed view is a
-    strided copy into the parameter, with no transposed temporary. The parameter was created empty
-    (`LazyGuard`), so this is its first and only allocation."""
-    paddle.assign(value, output=param)
+def _place(writer, gpu: bool, r: Route, src: np.ndarray, tag: str, ckpt_in_out: bool, in_out: bool, offsets: dict,
+           param: paddle.Tensor) -> None:
+    """Write piece `src` (checkpoint orientation) of parameter `r.target` into its place."""
+    value = src.T if src.ndim == 2 and ckpt_in_out != in_out else src  # the parameter's orientation
+    e = r.piece[0] if r.expert else None
+    group = list(param.shape)[1:] if r.expert else list(param.shape)  # param[e] for an expert's piece
+    out_axis = 1 if len(group) == 2 and in_out else 0
+    off = offsets.get(r.target, {}).get(r.piece, 0)
+    n = value.shape[out_axis]
+    tail = group[out_axis] - off - n if r.piece is None else 0  # the last rank's rows past the vocabulary
 
+    def region(full: np.ndarray, lo: int = off, hi: int = off + n):
+        g = full[e] if e is not None else full
+        return g[lo:hi] if out_axis == 0 else g[:, lo:hi]
 
-def _fill_from_host(param: paddle.Tensor, value: paddle.Tensor) -> None:
-    """GPU: the value is assembled with Paddle's CPU kernels (the checkpoint tensors are host tensors), then
-    one host-to-device copy into the parameter. No GPU kernel of Paddle's runs: on the Hoppers they do nothing."""
-    param.set_value(value.contiguous().numpy())  # bfloat16 travels as its uint16 bits, read back as bfloat16
+    if gpu and out_axis == 0 and r.target not in writer.staged:
+        # whole rows: one copy at the rows' offset (the element offset of row `off` of param[e])
+        row = int(np.prod(group[1:], dtype=np.int64)) if len(group) > 1 else 1
+        base = (e or 0) * int(np.prod(group, dtype=np.int64))
+        writer.put_rows(r.target, base + off * row, value, tag)
+        if tail > 0:
+            writer.put_rows(r.target, base + (off + n) * row, np.zeros([tail, *value.shape[1:]], value.dtype), tag)
+        return
+    writer.put(r.target, region, value, tag)
+    if tail > 0:
+        shape = list(value.shape)
+        shape[out_axis] = tail
+        writer.put(r.target, lambda full: region(full, off + n, off + n + tail), np.zeros(shape, value.dtype), tag)
