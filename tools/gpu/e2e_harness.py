@@ -372,6 +372,23 @@ def section_parity():
             run(f"bf16_{fam}", lambda f=fam: bf16_case(f))
 
 
+def eager_then_graphs(path: str, prompts: list[list[int]], params, **common):
+    """The same requests on an eager engine, then on one with CUDA graphs: (eager tokens, graph tokens, the graph
+    engine's generate stats, the graph engine)."""
+    from fdlite import LLM  # noqa: PLC0415
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)]
+
+    eager = LLM(path, use_cudagraph=False, **common)
+    want = tokens(eager)
+    del eager
+    llm = LLM(path, use_cudagraph=True, **common)
+    got = tokens(llm)
+    return want, got, llm.last_generate_stats, llm
+
+
 # ---- CUDA graphs: 1,000 decode steps ------------------------------------------------------------
 
 def section_graphs():
@@ -385,7 +402,7 @@ def section_graphs():
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in steps]
         common = dict(device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=8, block_size=16,
                       max_model_len=1400, num_gpu_blocks_override=600)
-        eager = LLM(path, **common)
+        eager = LLM(path, use_cudagraph=False, **common)  # graphs are on by default
         t = time.time()
         want = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                                 use_tqdm=False)]
@@ -414,7 +431,7 @@ def section_graphs():
         """About 1,000 steps of a churning job (110 requests over 4 rows, prompts prefilled 64 tokens a step beside
         the others' decodes): nearly every step mixes prefill and decode tokens and replays a token-count graph;
         the tokens equal the eager engine's."""
-        from fdlite import LLM, SamplingParams  # noqa: PLC0415
+        from fdlite import SamplingParams  # noqa: PLC0415
 
         path = small_model("qwen3")
         rng = np.random.default_rng(12)
@@ -422,14 +439,7 @@ def section_graphs():
         params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(4, 30, 110)]
         common = dict(device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4, block_size=16,
                       max_model_len=1024, max_num_batched_tokens=64, num_gpu_blocks_override=400)
-        eager = LLM(path, use_cudagraph=False, **common)
-        want = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                                use_tqdm=False)]
-        del eager
-        llm = LLM(path, use_cudagraph=True, **common)
-        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                             use_tqdm=False)]
-        st = llm.last_generate_stats
+        want, got, st, llm = eager_then_graphs(path, prompts, params, **common)
         mixed = llm.runner.mixed_graph_runner
         res = {"identical": got == want, "steps": st["num_steps"], "cudagraph_replays": st["cudagraph_replays"],
                "mixed_replays": st["cudagraph_mixed_replays"], "mixed_sizes": sorted(mixed.graphs) if mixed else [],
@@ -830,26 +840,12 @@ def section_breakdown():
 
 # ---- sampling features at full speed (device-side logits processors) ---------------------------
 
-# The nested schema of benchmarks/structured_outputs.py (objects, arrays, enums, numbers, required).
-JSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer"},
-        "name": {"type": "string"},
-        "status": {"enum": ["active", "inactive", "pending"]},
-        "score": {"type": "number"},
-        "tags": {"type": "array", "items": {"type": "string"}},
-        "owner": {"type": "object", "properties": {
-            "name": {"type": "string"}, "email": {"type": "string"},
-            "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-                        "required": ["city"]}},
-            "required": ["name", "address"]},
-        "items": {"type": "array", "items": {"type": "object", "properties": {
-            "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}, "price": {"type": "number"}},
-            "required": ["sku", "qty"]}},
-    },
-    "required": ["id", "name", "status", "owner", "items"],
-}
+def json_schema() -> dict:
+    """The nested schema of benchmarks/structured_outputs.py (objects, arrays, enums, numbers, required)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from structured_outputs import SCHEMA  # noqa: PLC0415
+
+    return SCHEMA
 
 
 # ---- the churn job: more requests than rows (token-count graphs for the steps that mix) -----------------
@@ -934,7 +930,7 @@ def section_sampling():
         # unconstrained text rarely stops); structured outputs refuse ignore_eos
         "json twin (unconstrained), batch 64": (dict(temperature=0.6), 64),
         "json schema, batch 64": (dict(temperature=0.6, ignore_eos=False,
-                                       structured_outputs={"json": JSON_SCHEMA}), 64),
+                                       structured_outputs={"json": json_schema()}), 64),
     }
 
     def bench(kw, n):
@@ -1108,14 +1104,7 @@ def section_sampling_checks():
                                  frequency_penalty=0.3, max_tokens=200, ignore_eos=True) for i in range(len(ps))]
         common = dict(device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=8, block_size=16,
                       max_model_len=1024, num_gpu_blocks_override=300)
-        eager = LLM(path, **common)
-        want = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], params,
-                                                                use_tqdm=False)]
-        del eager
-        llm = LLM(path, use_cudagraph=True, **common)
-        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params,
-                                                             use_tqdm=False)]
-        st = llm.last_generate_stats
+        want, got, st, llm = eager_then_graphs(path, ps, params, **common)
         del llm
         steps, replays = st.get("num_steps") or 0, st.get("cudagraph_replays") or 0
         res = {"identical": got == want, "tokens": sum(map(len, got)), "steps": steps, "cudagraph_replays": replays,
