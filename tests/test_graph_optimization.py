@@ -39,7 +39,7 @@ def qwen3(model_dirs):
 
 @pytest.fixture(scope="module")
 def eager_llm(qwen3):
-    return LLM(qwen3, **COMMON)
+    return LLM(qwen3, use_cudagraph=False, **COMMON)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_padded_decode_graphs_give_identical_tokens(qwen3, monkeypatch):
     write nothing outside the scratch block (the KV cache equals eager's everywhere else)."""
     monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
     graph = LLM(qwen3, graph_optimization_config={"use_cudagraph": True}, **COMMON)
-    eager = LLM(qwen3, **COMMON)  # fresh too, so both hand out the same blocks in the same order
+    eager = LLM(qwen3, use_cudagraph=False, **COMMON)  # fresh too, so both hand out the same blocks in the same order
     # Eight prompts prefill together; one finishes after each step, so decode batches shrink 7, 6, ..., 1.
     batch = prompts(8, seed=2, max_len=30)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in range(1, 9)]
@@ -298,7 +298,7 @@ def test_prefill_only_graphs_keyed_by_token_count(qwen3, eager_tokens, monkeypat
     gr = llm.runner.mixed_graph_runner
     # Eight short prompts arrive together: the first step is prefill-only and runs in a graph.
     short = prompts(8, seed=7, max_len=20)
-    ref = LLM(qwen3, **COMMON).generate(short, GREEDY, use_tqdm=False)
+    ref = LLM(qwen3, use_cudagraph=False, **COMMON).generate(short, GREEDY, use_tqdm=False)
     assert tokens(llm.generate(short, GREEDY, use_tqdm=False)) == tokens(ref)
     assert gr.num_replays >= 1
     assert tokens(llm.generate(prompts(24), GREEDY, use_tqdm=False)) == eager_tokens
