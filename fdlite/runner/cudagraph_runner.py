@@ -66,8 +66,8 @@ class CudaGraphRunner:
             return type(self.model_layer).dynamic_forward(self.model_layer, **kwargs)
         return self.model_layer(**kwargs)
 
-    def _write(self, batch: FlatBatch, size: int) -> None:
-        self.buffers.write_padded(batch, size, decode=not self.mixed)
+    def _write(self, batch: FlatBatch, size: int, patch=None) -> None:
+        self.buffers.write_padded(batch, size, decode=not self.mixed, patch=patch)
 
     def dummy_batch(self, size: int, seed: int, worst_case: bool) -> FlatBatch:
         """A batch of `size` tokens with distinct cache slots (so replays are deterministic).
@@ -164,9 +164,10 @@ class CudaGraphRunner:
             fits = batch.num_decodes == batch.num_rows  # decode-only
         return padded_size(self.sizes, batch.num_tokens) if fits else None
 
-    def run(self, batch: FlatBatch, size: int) -> paddle.Tensor:
-        """Write the batch into the buffers, replay the graph of `size`, return hidden states [T, hidden]."""
-        self._write(batch, size)
+    def run(self, batch: FlatBatch, size: int, patch=None) -> paddle.Tensor:
+        """Write the batch into the buffers (and `patch`, `ForwardBuffers.write`), replay the graph of `size`,
+        return hidden states [T, hidden]."""
+        self._write(batch, size, patch)
         self.replays_by_size[size, batch.num_tokens] += 1
         return self.graphs[size].replay()[: batch.num_tokens]
 

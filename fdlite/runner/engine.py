@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from fdlite import envs
 from fdlite.config import EngineConfig
 from fdlite.kvcache.block_allocator import BlockAllocator
-from fdlite.runner.input_batch import InputBatch, StepInputs
+from fdlite.runner.input_batch import InputBatch, StepInputs, drop_rows
 from fdlite.runner.model_runner import ModelRunner
 from fdlite.runner.output_processor import OutputProcessor
 from fdlite.runner.scheduler import ScheduledBatch, Scheduler
@@ -73,6 +73,7 @@ class Engine:
         self.structured = StructuredOutputs(tokenizer, runner.model_config.vocab_size, eos_token_ids)
         self._pending = None  # async scheduling: the step in flight (scheduled, prepared, future)
         self._executor: ThreadPoolExecutor | None = None
+        self.num_early_prepares = 0  # async scheduling: steps prepared before the previous one's tokens came
         self.num_steps = 0
         self.num_prefill_tokens = 0  # tokens computed for prompts (and recomputed after preemption)
         self.num_decode_tokens = 0
@@ -128,6 +129,8 @@ class Engine:
 
     def _postprocess(self, scheduled: ScheduledBatch, prepared: StepInputs, sampled: SamplerOutput | None):
         """After a step's forward: tokens into the slots, text and logprobs, then stops and finishes."""
+        if prepared.dropped_rows is not None and sampled is not None:
+            prepared, sampled = drop_rows(prepared, sampled, prepared.dropped_rows)
         candidates = self.worker.commit(prepared, sampled)
         now = time.perf_counter()
         stop_strings = self.outputs.process(prepared.sample_seqs, sampled, prepared.sampling, candidates, now)
@@ -153,12 +156,15 @@ class Engine:
     # ---- async scheduling -------------------------------------------------------------------
 
     def _step_async(self) -> tuple[list[Sequence], int]:
-        """Schedule step N+1 while step N runs (vLLM's async scheduling).
+        """Schedule and start step N+1 while step N runs (vLLM v1's async scheduling).
 
-        N+1 is scheduled as if every row of N that samples got its token (a placeholder), so it may
-        hold rows that turn out to finish in N: the scheduler drops them from it when N's tokens come.
-        N+1 is prepared once N's tokens are in the slots, and launched after N is done: forwards run
-        in order, so N+1 reads N's KV.
+        N+1 is scheduled as if every row of N that samples got its token (a placeholder). When it can
+        (`_may_prepare_early`) it is prepared and queued on the step thread before N's tokens come back:
+        its decode rows read N's tokens on the device (`StepInputs.patch`), so the host work of N's
+        results overlaps N+1's forward. Its rows that finish in N still compute their token, which is
+        dropped (`_drop_finished`). Otherwise N+1 is prepared once N's tokens are in the slots (the
+        scheduler drops the rows that finished in N from it first). Forwards run in order on the step
+        thread, so N+1 reads N's KV either way.
         """
         if self._pending is None:
             scheduled = self._schedule()
@@ -168,10 +174,39 @@ class Engine:
         scheduled, prepared, future = self._pending
         self._pending = None
         ahead = self._schedule() if self.scheduler.has_unfinished() else None
-        result = self._postprocess(scheduled, prepared, future.result())
-        if ahead is not None:
+        early = ahead is not None and self._may_prepare_early(ahead)
+        if early:
             self._pending = self._launch(ahead)
+            self.num_early_prepares += self._pending is not None
+        result = self._postprocess(scheduled, prepared, future.result())
+        if ahead is not None and not early:
+            self._pending = self._launch(ahead)
+        elif self._pending is not None and result[0]:
+            self._pending = self._drop_finished(self._pending, set(result[0]))
         return result
+
+    def _may_prepare_early(self, ahead: ScheduledBatch) -> bool:
+        """Whether step N+1 can be prepared before N's tokens are on the host: nothing it prepares reads them.
+        Not when it preempts (a slot leaves while N may still write it), nor with a grammar (its bitmask
+        follows N's token), bad words (a word's prefix ends the output) or penalty tables kept on the host
+        (counted from N's tokens when they come back)."""
+        ib = self.worker.input_batch
+        if ahead.preempted or self.scheduler.num_constrained or ib.has_bad_words.any():
+            return False
+        host_penalties = ib.host_penalty_tables
+        if host_penalties and ib.has_penalties.any():
+            return False
+        return not any(s.bad_words_token_ids or (host_penalties and s.params.has_penalties) for s in ahead.joined)
+
+    @staticmethod
+    def _drop_finished(pending, gone: set[Sequence]):
+        """The step in flight was prepared before some of its sampling rows finished: their tokens are dropped
+        when it comes back (its prepared inputs lose those rows; the scheduler dropped them from its batch)."""
+        scheduled, prepared, future = pending
+        dead = [i for i, s in enumerate(prepared.sample_seqs) if s in gone]
+        if dead:
+            prepared.dropped_rows = dead if prepared.dropped_rows is None else prepared.dropped_rows + dead
+        return scheduled, prepared, future
 
     def _launch(self, scheduled: ScheduledBatch):
         """Prepare a scheduled step and start it on the step thread; None when it has no rows left."""
@@ -199,4 +234,5 @@ class Engine:
         if self._pending is not None:
             _, _, future = self._pending
             self._pending = None
+            self.worker.input_batch.forget_unwritten()  # its tokens are never written
             future.result()

@@ -99,6 +99,7 @@ class ForwardBuffers:
         self.seq_lens_kv = _Buffer(max_rows, "int32")
         self.cu_seqlens_q = _Buffer(max_rows + 1, "int32")
         self.logits_indices = _Buffer(max_rows, "int64")
+        self.patch_src = _Buffer(max_tokens, "int64")  # `TokenPatch.src`, staged with the step's inputs
         self._all = [b for b in vars(self).values() if isinstance(b, _Buffer)]
         self.scratch_block: int | None = None
 
@@ -118,13 +119,16 @@ class ForwardBuffers:
         self.scratch_block = block
         self.block_tables.write(np.full(self.max_blocks, block, np.int32), start=self.max_rows * self.max_blocks)
 
-    def write(self, flat: FlatBatch, caches) -> tuple[paddle.Tensor, paddle.Tensor, ForwardMeta, paddle.Tensor]:
-        """Copy `flat` into the buffers; return (input_ids, positions, meta, logits_indices) views of its size."""
+    def write(self, flat: FlatBatch, caches, patch=None) -> tuple[paddle.Tensor, paddle.Tensor, ForwardMeta, paddle.Tensor]:
+        """Copy `flat` into the buffers (then `patch`: see `apply_patch`); return (input_ids, positions, meta,
+        logits_indices) views of its size."""
         t, b = flat.num_tokens, flat.num_rows
         self._stage_common(flat)
         width = flat.block_tables.shape[1]
         self.block_tables.stage(flat.block_tables.reshape(-1))
+        self._stage_patch(patch)
         _flush(self._all)
+        self._apply_patch(patch)
         meta = ForwardMeta(
             slot_mapping=self.slot_mapping.view(t), token_rows=self.token_rows.view(t), positions=self.positions.view(t),
             block_tables=self.block_tables.view(b * width, [b, width]), seq_lens_kv=self.seq_lens_kv.view(b),
@@ -133,7 +137,7 @@ class ForwardBuffers:
         )
         return self.input_ids.view(t), self.positions.view(t), meta, self.logits_indices.view(len(flat.logits_indices))
 
-    def write_padded(self, flat: FlatBatch, size: int, decode: bool) -> None:
+    def write_padded(self, flat: FlatBatch, size: int, decode: bool, patch=None) -> None:
         """Graph mode: copy `flat` and pad it to `size` tokens (and, for decode graphs, rows).
 
         Padded tokens are token 0 at position 0 of the scratch row, writing the scratch slot. In a
@@ -160,7 +164,32 @@ class ForwardBuffers:
         else:  # padded rows hold no tokens
             self.seq_lens_kv.stage(0, b, rows)
             self.cu_seqlens_q.stage(t, b + 1, rows)
+        self._stage_patch(patch)
         _flush(self._all)
+        self._apply_patch(patch)
+
+    def _stage_patch(self, patch) -> None:
+        if patch is not None and self.input_ids.on_gpu:
+            self.patch_src.stage(patch[0].src)
+
+    def _apply_patch(self, patch) -> None:
+        """`patch` = (TokenPatch, the previous step's sampled ids): input_ids[dst[i]] = ids[src[i]], after the
+        inputs were written. On a GPU one `gather_rows` per run of consecutive `dst` (the decode rows come first,
+        so usually one run) from the device ids into the buffer, its index the staged `patch_src`; on CPU the
+        same on the host view."""
+        if patch is None:
+            return
+        p, ids = patch
+        dst = p.dst
+        cuts = np.flatnonzero(np.diff(dst) != 1) + 1
+        for a, z in zip([0, *cuts.tolist()], [*cuts.tolist(), len(dst)]):
+            start = int(dst[a])
+            if self.input_ids.on_gpu:
+                from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
+
+                gpu_ops.gather_rows(ids, self.patch_src.tensor[a:z], out=self.input_ids.tensor[start : start + z - a])
+            else:
+                self.input_ids.host[start : start + z - a] = np.asarray(ids)[p.src[a:z]]
 
     def graph_views(self, size: int, decode: bool, caches) -> tuple[paddle.Tensor, paddle.Tensor, ForwardMeta]:
         """Fixed-shape views for a graph of `size` tokens: what capture binds and replay reads."""

@@ -22,14 +22,15 @@ Host only (numpy): the runner copies a `FlatBatch` into its persistent device bu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter, itemgetter
 
 import numpy as np
 
 from fdlite.kvcache.block_allocator import blocks_for
 from fdlite.layers.forward_meta import FlatBatch, PrefillSpan
-from fdlite.sample.sampler import SamplingBatch, stop_tokens_while_short, token_counts
+from fdlite.sample.logprobs import LogprobsTensors
+from fdlite.sample.sampler import SamplerOutput, SamplingBatch, stop_tokens_while_short, token_counts
 from fdlite.runner.sequence import Sequence
 from fdlite.runner.stop_checker import stop_candidates
 from fdlite.structured.matcher import bitmask_width
@@ -52,6 +53,18 @@ class PromptLogprobsInputs:
 
 
 @dataclass
+class TokenPatch:
+    """Input tokens of a step prepared before the previous step's sampled tokens reached the host (async
+    scheduling): flat token `dst[i]` is the previous step's sampled token of its sample row `src[i]`. The
+    runner applies it on the device after writing the inputs (`ForwardBuffers`), from the sampled ids the
+    previous step left there; `prev_step` is that step's `StepInputs.step_id`."""
+
+    dst: np.ndarray  # [P] int64 flat token indices, ascending
+    src: np.ndarray  # [P] int64 rows of the previous step's sampled ids
+    prev_step: int
+
+
+@dataclass
 class StepInputs:
     """What `InputBatch.prepare_inputs` hands the runner and the engine for one step."""
 
@@ -64,6 +77,34 @@ class StepInputs:
     sampling: SamplingBatch | None  # None when no row samples
     num_decode_tokens: int = 0  # rows that compute one token after their last sampled one
     prompt_logprobs: PromptLogprobsInputs | None = None  # prompt positions whose logprobs this step computes
+    step_id: int = 0  # counts the steps prepared
+    patch: TokenPatch | None = None  # input tokens still on the device (the previous step's samples)
+    # Sample rows whose sequence finished before this step's tokens came back (it was prepared early, async
+    # scheduling): their tokens are dropped (`drop_rows`).
+    dropped_rows: list[int] | None = None
+
+
+def drop_rows(step: StepInputs, sampled: SamplerOutput, rows: list[int]) -> tuple[StepInputs, SamplerOutput]:
+    """`step` and its `sampled` output without the sample rows `rows`: what the engine commits and reports."""
+    keep = np.ones(len(step.sample_seqs), bool)
+    keep[rows] = False
+    idx = np.flatnonzero(keep)
+    step = replace(step, sample_seqs=[step.sample_seqs[i] for i in idx.tolist()],
+                   sample_slots=step.sample_slots[idx], sample_positions=step.sample_positions[idx],
+                   dropped_rows=None)
+    out = replace(sampled, token_ids=[sampled.token_ids[i] for i in idx.tolist()], device_tokens=None)
+    if sampled.logprobs_tensors is not None:
+        new_row = np.cumsum(keep) - 1
+        kept = keep[sampled.logprob_rows]
+        t = sampled.logprobs_tensors
+        out.logprobs_tensors = None
+        out.logprob_rows = out.num_logprobs = None
+        if kept.any():
+            out.logprobs_tensors = LogprobsTensors(t.token_ids[kept], t.logprobs[kept], t.ranks[kept],
+                                                   t.top_ids[kept], t.top_logprobs[kept])
+            out.logprob_rows = new_row[sampled.logprob_rows[kept]]
+            out.num_logprobs = sampled.num_logprobs[kept]
+    return step, out
 
 
 def flat_batch(token_ids: np.ndarray, rows: np.ndarray, computed: np.ndarray, counts: np.ndarray,
@@ -177,6 +218,12 @@ class InputBatch:
         self.allowed_of: dict[int, np.ndarray] = {}
         self.has_bad_words = np.zeros(n, bool)  # the sequence's bad_words_token_ids (`Sequence`) are checked
         self.wants_prompt_logprobs = np.zeros(n, bool)
+        # Async scheduling: a step may be prepared before the previous one's tokens are written. The last
+        # prepared step whose tokens are not written yet: its id, its sample rows' slots and reserved positions,
+        # and each slot's generation then (a slot taken again since holds another sequence).
+        self.num_prepared = 0
+        self.slot_gen = np.zeros(n, np.int64)
+        self._unwritten: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def num_running(self) -> int:
@@ -190,6 +237,7 @@ class InputBatch:
         slot = self._free.pop()
         self.slot_of[seq] = slot
         self.seqs[slot] = seq
+        self.slot_gen[slot] += 1
         n = seq.num_known_tokens
         self.token_ids[slot, : seq.num_prompt_tokens] = seq.prompt_token_ids
         self.token_ids[slot, seq.num_prompt_tokens : n] = seq.output_token_ids
@@ -240,6 +288,8 @@ class InputBatch:
         if slot is not None:
             self.seqs[slot] = None
             self._free.append(slot)
+            # Flags the engine reads over all slots (`Engine._may_prepare_early`) say nothing of a free slot.
+            self.has_bad_words[slot] = self.has_penalties[slot] = self.has_grammar[slot] = False
 
     def sync_blocks(self, seq: Sequence) -> None:
         """Append the block ids `seq` got since its row was last written (a block table only grows while running)."""
@@ -291,8 +341,27 @@ class InputBatch:
         prompt_lp = None
         if num_decode_tokens < b and self.wants_prompt_logprobs[slots].any():
             prompt_lp = self._prompt_logprobs_inputs(seqs, slots, computed, counts, flat.cu_seqlens_q)
+        patch = self._patch(flat, slots) if self._unwritten is not None else None
+        self.num_prepared += 1
+        step = self.num_prepared
+        self._unwritten = (step, sample_slots, positions, self.slot_gen[sample_slots]) if len(idx) else None
         return StepInputs(flat, slots, counts, sample_seqs, sample_slots, positions, sampling, num_decode_tokens,
-                          prompt_lp)
+                          prompt_lp, step, patch)
+
+    def _patch(self, flat: FlatBatch, slots: np.ndarray) -> TokenPatch | None:
+        """The flat tokens whose value is a sampled token of the last prepared step, not written yet (async
+        scheduling: it is still on its way from the device); None when there are none."""
+        prev, prev_slots, prev_positions, gens = self._unwritten
+        row_of_slot = np.full(len(self.seqs), -1, np.int64)
+        held = self.slot_gen[prev_slots] == gens  # a slot taken again since belongs to a joiner: its tokens are known
+        row_of_slot[prev_slots[held]] = np.nonzero(held)[0]
+        src = row_of_slot[slots[flat.token_rows]]
+        hit = src >= 0
+        hit[hit] = prev_positions[src[hit]] == flat.positions[hit]
+        if not hit.any():
+            return None
+        dst = np.nonzero(hit)[0].astype(np.int64)
+        return TokenPatch(dst, src[dst], prev)
 
     def _prompt_logprobs_inputs(self, seqs: list[Sequence], slots: np.ndarray, computed: np.ndarray,
                                 counts: np.ndarray, cu: np.ndarray) -> PromptLogprobsInputs | None:
@@ -315,6 +384,10 @@ class InputBatch:
             return None
         return PromptLogprobsInputs(req_seqs, req_counts, np.concatenate(index).astype(np.int64),
                                     np.concatenate(targets).astype(np.int64), k)
+
+    def forget_unwritten(self) -> None:
+        """The last prepared step's tokens will never be written (it was drained, not committed)."""
+        self._unwritten = None
 
     def sampling_batch(self, slots: np.ndarray) -> SamplingBatch:
         """Sampling parameters of `slots`, gathered from the per-slot arrays."""
@@ -378,6 +451,8 @@ class InputBatch:
         """The step's sampled tokens into their reserved positions (and penalty counts); returns the
         rows (indices into `tokens`) that may stop (`stop_checker.stop_candidates`)."""
         slots = step.sample_slots
+        if self._unwritten is not None and self._unwritten[0] == step.step_id:
+            self._unwritten = None
         self.token_ids[slots, step.sample_positions] = tokens
         if self.output_counts is not None:
             pen = self.has_penalties[slots]

@@ -101,6 +101,7 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.graph_runner: CudaGraphRunner | None = None  # decode steps, per padded batch size
         self.mixed_graph_runner: CudaGraphRunner | None = None  # steps with prefill tokens, per padded token count
+        self.last_sampled: tuple[int | None, object] = (None, None)  # (step id, its sampled ids): `execute`
         self.closed = False
 
     def close(self) -> None:
@@ -118,6 +119,7 @@ class ModelRunner:
         for runner in self.graph_runners:
             runner.close()
         self.graph_runner = self.mixed_graph_runner = None
+        self.last_sampled = (None, None)
         model = self.__dict__.get("model")
         layer = getattr(model, "model", None)
         if layer is not None and layer.__dict__.get("graph_opt_backend") is not None:
@@ -316,14 +318,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden, logits_indices)
 
     @paddle.no_grad()
-    def forward_hidden(self, flat: FlatBatch, use_graphs: bool = True) -> tuple[paddle.Tensor, paddle.Tensor]:
+    def forward_hidden(self, flat: FlatBatch, use_graphs: bool = True, patch=None) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Hidden states of the flat batch (graph replay when its padded size was captured) and the device
-        indices of its sampling rows."""
+        indices of its sampling rows. `patch`: (TokenPatch, ids) applied to the input ids once written."""
         for runner in self.graph_runners if use_graphs else ():
             size = runner.size_for(flat)
             if size is not None:
-                return runner.run(flat, size), self.buffers.logits_index_view(len(flat.logits_indices))
-        ids, positions, meta, logits_indices = self.buffers.write(flat, self.kv_cache.caches)
+                return runner.run(flat, size, patch), self.buffers.logits_index_view(len(flat.logits_indices))
+        ids, positions, meta, logits_indices = self.buffers.write(flat, self.kv_cache.caches, patch)
         return self.model(ids, positions, meta), logits_indices
 
     @paddle.no_grad()
@@ -349,13 +351,23 @@ class ModelRunner:
         """Run one step: forward, then (rank 0) sample; every rank gets rank 0's tokens.
 
         The grammar bitmask of constrained rows (structured outputs) is computed in another thread while
-        the forward runs; the sampler waits for it.
+        the forward runs; the sampler waits for it. A step prepared before the previous one's tokens were
+        on the host (async scheduling) reads those from the previous step's sampled ids (`step.patch`), which
+        the runner keeps (`last_sampled`: that step's id and its ids, on the device on a GPU).
         """
         sampling = step.sampling
         masks = None
         if self.parallel.is_driver and sampling is not None and sampling.grammars:
             masks = self.bitmasks.start(sampling.grammars, self.eos_token_ids)
-        hidden, logits_indices = self.forward_hidden(step.flat)
+        patch = None
+        if step.patch is not None:
+            prev, ids = self.last_sampled
+            if prev != step.patch.prev_step:
+                raise RuntimeError(f"step {step.step_id} reads the sampled tokens of step {step.patch.prev_step}, "
+                                   f"but the last step that sampled here was {prev}")
+            patch = (step.patch, ids)
+        self.last_sampled = (None, None)
+        hidden, logits_indices = self.forward_hidden(step.flat, patch=patch)
         if masks is not None:
             sampling.grammar_bitmask = masks.result()
         sampled = None
@@ -364,6 +376,8 @@ class ModelRunner:
             sampled = self.sampler(logits, sampling) if self.parallel.is_driver else None
             if self.parallel.world_size > 1:
                 sampled = share_sampled_tokens(self.comm, sampled, len(step.sample_seqs))
+            ids = sampled.device_tokens
+            self.last_sampled = (step.step_id, ids if ids is not None else np.asarray(sampled.token_ids, np.int64))
         if step.prompt_logprobs is not None:
             prompt = self.prompt_logprobs(hidden, step.prompt_logprobs)
             if prompt is not None:

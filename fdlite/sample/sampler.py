@@ -110,6 +110,10 @@ class SamplerOutput:
     num_logprobs: np.ndarray | None = None
     # Prompt logprobs computed this step: (sequence, its next consecutive prompt positions' numbers).
     prompt_logprobs: list | None = None
+    # The sampled ids where the sampler made them (the GPU sampler's device int64 tensor), before their copy to
+    # the host; None on the CPU path (`token_ids` is the same). The next step's decode rows read their input
+    # token from here when it was prepared before these came back (async scheduling, `TokenPatch`).
+    device_tokens: object = None
 
     @property
     def sampled_logprobs(self) -> list[float | None]:

@@ -109,13 +109,13 @@ class GpuSampler:
         if batch.penalty_rows is not None:
             self.tables.count(batch.penalty_slots, gpu_ops.gather_rows(tokens, _upload(batch.penalty_rows, np.int64)))
         if not len(asking):
-            return SamplerOutput(gpu_ops.to_host(tokens).tolist())
+            return SamplerOutput(gpu_ops.to_host(tokens).tolist(), device_tokens=tokens)
         num = batch.num_logprobs[asking]
         k = int(num.max())
         # One copy: the sampled ids and the asking rows' [2 + 2k] numbers in one buffer.
         buf = gpu_ops.to_host(gpu_ops.logprobs(raw, _upload(raw_rows, np.int64), tokens, _upload(asking, np.int64), k))
         ids, tensors = unpack(buf, batch.num_rows, asking, k)
-        return SamplerOutput(ids.tolist(), tensors, asking, num)
+        return SamplerOutput(ids.tolist(), tensors, asking, num, device_tokens=tokens)
 
     def _adjust(self, logits: paddle.Tensor, batch: SamplingBatch) -> None:
         """Penalties, logit_bias, allowed_token_ids, the grammar mask, then min_tokens bans (the CPU sampler's

@@ -10,6 +10,7 @@ fresh allocator and its startup numbers are its own:
     python3 tools/gpu/e2e_harness.py graphs     --out DIR   # 1,000 decode steps with CUDA graphs vs eager
     python3 tools/gpu/e2e_harness.py hf_bench   --out DIR   # transformers batched generate on the protocol (subset)
     python3 tools/gpu/e2e_harness.py throughput --out DIR   # nano-vllm protocol + decode step times at 1/16/64/256
+    python3 tools/gpu/e2e_harness.py latency    --out DIR   # ms per output token through LLM.generate, async scheduling on/off
     python3 tools/gpu/e2e_harness.py diag       --out DIR   # where a decode step's time goes (host parts, eager)
     python3 tools/gpu/e2e_harness.py breakdown  --out DIR   # the throughput protocol's time by step kind
     python3 tools/gpu/e2e_harness.py churn      --out DIR   # 2,048 requests over 256 rows, token-count graphs vs not
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
-ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "diag", "breakdown", "sampling", "churn",
+ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "latency", "diag", "breakdown", "sampling", "churn",
                                     "sampling_checks", "memory"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
@@ -780,6 +781,62 @@ def section_throughput():
         run("decode_step_times_ctx512", step_times)
 
 
+def section_latency():
+    """Decode latency through `LLM.generate` (the engine loop's host work included, issue 24): Qwen3-0.6B, 512-token
+    prompts, 256 greedy output tokens (ignore_eos), CUDA graphs on, batch 1 / 16 / 64, with and without
+    `async_scheduling`. ms per output token = (wall of 256 tokens - wall of 1 token) / 255: the prefill step and
+    the first token are left out. `--quick` on CPU (FDLITE_E2E_DEVICE=cpu): the small qwen3, 32-token prompts,
+    16 tokens, batch 1 and 4 (a dry run of the logic)."""
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+
+    cpu = FDL_DEVICE != "gpu"
+    prompt_len, out_len = (32, 16) if cpu else (512, 256)
+    batches = (1, 4) if cpu else (1, 16, 64)
+    path = small_model("qwen3") if cpu else qwen3_06b()
+    rows = max(batches)
+    bs = 16
+    blocks = rows * (-(-(prompt_len + out_len) // bs) + 1) + 64
+
+    def case(async_scheduling: bool):
+        def f():
+            llm = LLM(path, skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=rows, block_size=bs,
+                      max_model_len=prompt_len + out_len + bs, num_gpu_blocks_override=blocks, use_cudagraph=True,
+                      enable_prefix_caching=False, async_scheduling=async_scheduling)
+            rng = np.random.default_rng(0)
+            vocab = llm.model_config.vocab_size
+            res = {}
+            try:
+                llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+                for b in batches:
+                    prompts = [{"prompt_token_ids": rng.integers(10, vocab - 10, prompt_len).tolist()} for _ in range(b)]
+                    walls = {}
+                    for n in (1, out_len, 1, out_len):  # the second pair is measured (the first warms this batch size)
+                        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
+                        t = time.perf_counter()
+                        outs = llm.generate(prompts, params, use_tqdm=False)
+                        walls[n] = time.perf_counter() - t
+                        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+                    st = llm.last_generate_stats
+                    ms = (walls[out_len] - walls[1]) / (out_len - 1) * 1e3
+                    res[f"batch_{b}"] = {"ms_per_output_token": round(ms, 3), "wall_s": round(walls[out_len], 3),
+                                         "prefill_wall_s": round(walls[1], 3), "steps": st.get("num_steps"),
+                                         "cudagraph_replays": st.get("cudagraph_replays"),
+                                         "early_prepared_steps": llm.engine.num_early_prepares}
+                    log("   ", "async" if async_scheduling else "sync", b, res[f"batch_{b}"])
+            finally:
+                llm.close()
+            return res
+        return f
+
+    run("decode_latency_sync", case(False))
+    run("decode_latency_async", case(True))
+    a, s_ = RES["results"].get("decode_latency_async"), RES["results"].get("decode_latency_sync")
+    if a and s_:
+        RES["results"]["async_vs_sync_ms_per_token"] = {
+            k: [s_[k]["ms_per_output_token"], a[k]["ms_per_output_token"]] for k in s_ if k.startswith("batch_")}
+        log("  sync vs async ms/token:", RES["results"]["async_vs_sync_ms_per_token"])
+
+
 def section_breakdown():
     """The throughput protocol's wall time split by step kind: each `ModelRunner.execute` call (forward, LM
     head, sampling, ids back on the host) timed with the batch it ran, the rest being the engine's host work
@@ -1170,7 +1227,7 @@ def section_sampling_checks():
 
 if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
-     "throughput": section_throughput, "diag": section_diag, "breakdown": section_breakdown,
+     "throughput": section_throughput, "latency": section_latency, "diag": section_diag, "breakdown": section_breakdown,
      "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn, "memory": section_memory}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()

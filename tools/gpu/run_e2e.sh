@@ -21,7 +21,7 @@ lib=$(python3 fdlite/kernels/build.py 2>>"$LOG") || { echo "ops build failed" | 
 export FDLITE_GPU_OPS_LIB=$lib
 echo "ops library $lib built or cached in $((SECONDS - t0)) s" | tee -a "$LOG"
 cp "$(dirname "$lib")/ptxas_report.txt" "$OUT/" 2>/dev/null || true
-declare -A LIMIT=([parity]=170 [graphs]=150 [hf_bench]=90 [throughput]=230 [diag]=200 [sampling_checks]=200 [sampling]=330 [churn]=420
+declare -A LIMIT=([parity]=170 [graphs]=150 [hf_bench]=90 [throughput]=230 [latency]=240 [diag]=200 [sampling_checks]=200 [sampling]=330 [churn]=420
                   [memory]=150)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done
 rc=0
