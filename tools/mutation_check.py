@@ -484,6 +484,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_graph_optimization.py::test_a_churning_job_replays_nearly_every_step_and_matches_eager",),
         "new",
     ),
+    Mutation(
+        "async-token-patch-skipped",
+        "Async scheduling's early-prepared step runs with the stale host input ids (the device patch is skipped)",
+        (Edit("fdlite/runner/forward_buffers.py",
+              "        if patch is None:\n            return\n        p, ids = patch\n",
+              "        if True:  # MUTATION\n            return\n        p, ids = patch\n"),),
+        ("tests/test_async_early_prepare.py", "tests/test_async_scheduling.py"),
+        "new",
+    ),
     # ---- a newcomer's first run and the repository's hygiene ----------------------------------------------
     Mutation(
         "sampling-params-bare-typeerror",
