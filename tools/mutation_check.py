@@ -493,6 +493,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_async_early_prepare.py", "tests/test_async_scheduling.py"),
         "new",
     ),
+    Mutation(
+        "bf16-rotary-truncated",
+        "The bfloat16 rotary tables are truncated to bf16 (Paddle 2.6's to_tensor) instead of rounded to nearest",
+        (Edit("fdlite/layers/rotary.py",
+              "    bits = ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)",
+              "    bits = (u >> 16).astype(np.uint16)  # MUTATION"),),
+        ("tests/test_fast_load.py::test_rotary_table_in_bfloat16_is_rounded_on_the_host_as_paddle_casts",),
+        "new",
+    ),
+    Mutation(
+        "fused-pieces-overlap",
+        "The loader writes every piece of a fused weight (q/k/v, gate/up) at the parameter's first rows",
+        (Edit("fdlite/models/weight_loader.py",
+              "            offs[piece] = at.get(group, 0)\n",
+              "            offs[piece] = 0  # MUTATION\n"),),
+        ("tests/test_fast_load.py", "tests/test_hf_parity.py::test_prefill_logits_match_transformers"),
+        "new",
+    ),
     # ---- a newcomer's first run and the repository's hygiene ----------------------------------------------
     Mutation(
         "sampling-params-bare-typeerror",
