@@ -96,18 +96,25 @@ def small_model(family: str) -> str:
     return path
 
 
+def symlinked_sibling(src: str, dst: str, own: tuple[str, ...], written_last: str) -> bool:
+    """Folder `dst` holding symlinks to `src`'s files except `own` (the caller writes those); False when it is
+    complete already (its `written_last` file exists)."""
+    if os.path.isfile(os.path.join(dst, written_last)):
+        return False
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name not in own and not os.path.lexists(os.path.join(dst, name)):
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    return True
+
+
 def with_eos(path: str, eos: int) -> str:
     """A sibling of the model folder `path` ("<path>-eos<N>", weights symlinked) whose config.json and
     generation_config.json say EOS is token `eos` (fdlite takes EOS from the model's config, plus the
     tokenizer's, which these folders do not have)."""
-    src = os.path.abspath(path)
-    dst = f"{src.rstrip('/')}-eos{eos}"
-    if os.path.isfile(os.path.join(dst, "config.json")):  # written last
+    src, dst = os.path.abspath(path), f"{os.path.abspath(path).rstrip('/')}-eos{eos}"
+    if not symlinked_sibling(src, dst, ("config.json", "generation_config.json"), "config.json"):
         return dst
-    os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(src):
-        if name not in ("config.json", "generation_config.json") and not os.path.lexists(os.path.join(dst, name)):
-            os.symlink(os.path.join(src, name), os.path.join(dst, name))
     for name in ("generation_config.json", "config.json"):
         if os.path.isfile(os.path.join(src, name)):
             with open(os.path.join(src, name)) as f:
@@ -126,12 +133,8 @@ def with_qwen3_tokenizer(path: str) -> str:
 
     src = os.path.abspath(path)
     dst = src.rstrip("/") + "-tok"
-    if os.path.isfile(os.path.join(dst, "tokenizer_config.json")):  # written last
+    if not symlinked_sibling(src, dst, ("tokenizer.json", "tokenizer_config.json"), "tokenizer_config.json"):
         return dst
-    os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(src):
-        if name not in ("tokenizer.json", "tokenizer_config.json") and not os.path.lexists(os.path.join(dst, name)):
-            os.symlink(os.path.join(src, name), os.path.join(dst, name))
     return add_qwen3_tokenizer(dst)
 
 
