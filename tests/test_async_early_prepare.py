@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import gpu_emulator
+from fdlite.runner.worker import Worker
 from fdlite import LLM, SamplingParams
 from fdlite.runner.forward_buffers import ForwardBuffers
 from fdlite.runner.input_batch import TokenPatch
@@ -79,9 +80,16 @@ def test_early_prepare_on_the_emulated_gpu_path(model_dirs, monkeypatch, graphs)
     calls = gpu_emulator.install_engine(monkeypatch)
     prompts, params = _requests(6, seed=1)
     params = [SamplingParams(**{**_kw(p), "max_tokens": min(p.max_tokens, 6)}) for p in params]
+    handed_back = []
+    real = Worker.execute
+    monkeypatch.setattr(Worker, "execute", lambda self, prepared: handed_back.append(real(self, prepared)) or
+                        handed_back[-1])
     llm = _compare(model_dirs["qwen3"], prompts, params, max_num_seqs=4, use_cudagraph=graphs)
     assert llm.engine.num_early_prepares > 0
     assert calls["gather_rows"] > 0
+    # The async engine's step thread hands back ids still being copied (the sync engine's come resolved).
+    kinds = {type(x).__name__ for x in handed_back if x is not None}
+    assert kinds == {"PendingSample", "SamplerOutput"}
     if graphs:
         assert llm.last_generate_stats["cudagraph_replays"] > 0
 

@@ -67,8 +67,12 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fdl_memcpy_d2h": (_int, [_vp, _vp, _size]),
     "fdl_memcpy_h2d_async": (_int, [_vp, _vp, _size, _vp]),
     "fdl_memcpy_h2d_many": (_int, [_int, _vp, _vp]),
+    "fdl_host_alloc": (_vp, [_size]),
+    "fdl_host_free": (_int, [_vp]),
+    "fdl_memcpy_d2h_async": (_int, [_vp, _vp, _size, _vp, _vp]),
+    "fdl_event_synchronize": (_int, [_vp]),
 }
-ABI_VERSION = 4  # fdl_ops_abi_version() of the sources this module speaks to
+ABI_VERSION = 5  # fdl_ops_abi_version() of the sources this module speaks to
 
 
 def load(path: str | None = None) -> str:
@@ -373,8 +377,59 @@ def logprobs(logits, rows, targets, target_of, k: int):
 
 def to_host(x) -> np.ndarray:
     """A device tensor's values on the host (a blocking copy): every device-to-host copy of the sampler goes
-    through here, so the emulated GPU path can count them."""
+    through here or `to_host_async`, so the emulated GPU path can count them."""
     return x.numpy()
+
+
+class PinnedCopies:
+    """Device -> host copies that do not block: each goes into one of a few pinned host buffers (a ring: at most
+    `depth - 1` copies may be waited for later) with an event after it. Owned by the GPU sampler."""
+
+    def __init__(self, depth: int = 3):
+        self._slots = [[None, 0, None] for _ in range(depth)]  # [pinned pointer, capacity in bytes, event]
+        self._next = 0
+
+    def start(self, x) -> "PendingCopy":
+        """Start copying device tensor `x` (contiguous) to the host; the values come from `.wait()`."""
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        nbytes = int(np.prod(x.shape)) * x.element_size()
+        lib = capi()
+        if slot[1] < nbytes:
+            if slot[0]:
+                lib.fdl_host_free(slot[0])
+            slot[0], slot[1] = lib.fdl_host_alloc(max(nbytes, 1 << 16)), max(nbytes, 1 << 16)
+            if not slot[0]:
+                raise GpuOpsError(f"cudaHostAlloc of {slot[1]} bytes failed")
+        if slot[2] is None:
+            slot[2] = lib.fdl_event_create()
+        rc = lib.fdl_memcpy_d2h_async(slot[0], x.data_ptr(), nbytes, current_stream_handle(), slot[2])
+        if rc:
+            raise GpuOpsError(f"cudaMemcpyAsync device to host failed: error {rc}")
+        return PendingCopy(slot[0], slot[2], nbytes, np.dtype(_dtype(x)), tuple(x.shape))
+
+    def close(self) -> None:
+        lib = capi()
+        for slot in self._slots:
+            if slot[0]:
+                lib.fdl_host_free(slot[0])
+            if slot[2] is not None:
+                lib.fdl_event_destroy(slot[2])
+        self._slots = [[None, 0, None] for _ in self._slots]
+
+
+class PendingCopy:
+    """One `PinnedCopies.start`: `.wait()` blocks until the copy is done and returns the values (a numpy copy)."""
+
+    def __init__(self, ptr, event, nbytes: int, dtype, shape):
+        self._ptr, self._event, self._nbytes, self._dtype, self._shape = ptr, event, nbytes, dtype, shape
+
+    def wait(self) -> np.ndarray:
+        rc = capi().fdl_event_synchronize(self._event)
+        if rc:
+            raise GpuOpsError(f"cudaEventSynchronize failed: error {rc}")
+        raw = (ctypes.c_char * self._nbytes).from_address(self._ptr)
+        return np.frombuffer(raw, dtype=self._dtype).reshape(self._shape).copy()
 
 
 def uniform(seeds, positions, round_: int = 0):

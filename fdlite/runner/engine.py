@@ -34,7 +34,7 @@ from fdlite.runner.output_processor import OutputProcessor
 from fdlite.runner.scheduler import ScheduledBatch, Scheduler
 from fdlite.runner.sequence import Sequence
 from fdlite.runner.worker import Worker
-from fdlite.sample.sampler import SamplerOutput
+from fdlite.sample.sampler import SamplerOutput, resolve
 from fdlite.structured.matcher import StructuredOutputs
 from fdlite.threads import shutdown_pool
 
@@ -73,7 +73,10 @@ class Engine:
         self.structured = StructuredOutputs(tokenizer, runner.model_config.vocab_size, eos_token_ids)
         self._pending = None  # async scheduling: the step in flight (scheduled, prepared, future)
         self._executor: ThreadPoolExecutor | None = None
-        self.num_early_prepares = 0  # async scheduling: steps prepared before the previous one's tokens came
+        self.num_early_prepares = 0
+        # Async scheduling: the step thread hands back sampled ids still on their way to the host, and launches the
+        # next step at once; the engine waits for them (`resolve`). One rank only: ranks share ids on the host.
+        runner.sampler.defer_host_copy = config.async_scheduling and config.tensor_parallel_size == 1  # async scheduling: steps prepared before the previous one's tokens came
         self.num_steps = 0
         self.num_prefill_tokens = 0  # tokens computed for prompts (and recomputed after preemption)
         self.num_decode_tokens = 0
@@ -129,6 +132,7 @@ class Engine:
 
     def _postprocess(self, scheduled: ScheduledBatch, prepared: StepInputs, sampled: SamplerOutput | None):
         """After a step's forward: tokens into the slots, text and logprobs, then stops and finishes."""
+        sampled = resolve(sampled)  # async scheduling on the GPU: the ids' copy may still be in flight
         if prepared.dropped_rows is not None and sampled is not None:
             prepared, sampled = drop_rows(prepared, sampled, prepared.dropped_rows)
         candidates = self.worker.commit(prepared, sampled)

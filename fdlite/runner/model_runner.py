@@ -30,7 +30,7 @@ from fdlite.layers.forward_meta import FlatBatch
 from fdlite.layers.moe import balanced_routing
 from fdlite.kernels.device_tensors import release_layer_tensors
 from fdlite.kernels.platform import select_device
-from fdlite.sample.sampler import Sampler, SamplerOutput
+from fdlite.sample.sampler import Sampler, SamplerOutput, resolve
 from fdlite.graph.backend import GraphOptBackend
 from fdlite.graph.capture_sizes import decode_capture_sizes, mixed_capture_sizes, prefill_capture_sizes
 from fdlite.kvcache.device_memory import device_memory, profile_peak, release_cached_memory, reset_peak_memory
@@ -375,12 +375,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden, logits_indices)
             sampled = self.sampler(logits, sampling) if self.parallel.is_driver else None
             if self.parallel.world_size > 1:
-                sampled = share_sampled_tokens(self.comm, sampled, len(step.sample_seqs))
+                sampled = share_sampled_tokens(self.comm, resolve(sampled), len(step.sample_seqs))
             ids = sampled.device_tokens
             self.last_sampled = (step.step_id, ids if ids is not None else np.asarray(sampled.token_ids, np.int64))
         if step.prompt_logprobs is not None:
             prompt = self.prompt_logprobs(hidden, step.prompt_logprobs)
             if prompt is not None:
-                sampled = sampled if sampled is not None else SamplerOutput([])
+                sampled = resolve(sampled) if sampled is not None else SamplerOutput([])
                 sampled.prompt_logprobs = prompt
         return sampled

@@ -134,6 +134,23 @@ class SamplerOutput:
         return out
 
 
+class PendingSample:
+    """A sampler output whose ids are still being copied to the host (GPU, async scheduling): the step thread
+    returns it at once and launches the next step; `resolve` waits for the copy. `device_tokens`: the ids on the
+    device, which the next step's early-prepared inputs read."""
+
+    def __init__(self, copy, finish, device_tokens):
+        self._copy, self._finish, self.device_tokens = copy, finish, device_tokens
+
+    def wait(self) -> SamplerOutput:
+        return self._finish(self._copy.wait())
+
+
+def resolve(sampled):
+    """A `SamplerOutput` (or None) from what `execute` returned: a `PendingSample` waits for its copy."""
+    return sampled.wait() if isinstance(sampled, PendingSample) else sampled
+
+
 def stop_tokens_while_short(params: SamplingParams, num_output: int, eos_token_ids: set[int], vocab: int) -> list[int]:
     """Token ids masked for a row whose output is still shorter than `min_tokens`.
 
@@ -159,6 +176,8 @@ class Sampler:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._gpu = None  # GpuSampler (sampler_gpu.py), with its device token tables, on the GPU path
+        # GPU: return a `PendingSample` instead of waiting for the ids' copy (set by the engine for async scheduling).
+        self.defer_host_copy = False
         self._forward = dispatch_forward(self)  # the plain function, called with self (custom_op.py: no cycle)
 
     @paddle.no_grad()
@@ -180,7 +199,7 @@ class Sampler:
             from fdlite.sample.sampler_gpu import GpuSampler  # noqa: PLC0415
 
             self._gpu = GpuSampler()
-        return self._gpu(logits, batch)
+        return self._gpu(logits, batch, self.defer_host_copy)
 
     def logprobs_of(self, logits: paddle.Tensor, targets: np.ndarray, k: int) -> LogprobsTensors:
         """Raw logprobs of every row of `logits` at `targets` [rows], with ranks and the top-k (prompt logprobs)."""

@@ -25,7 +25,7 @@ import paddle
 from fdlite.kernels import gpu as gpu_ops
 from fdlite.kernels.device_tensors import release_tensor
 from fdlite.sample.logprobs import LogprobsTensors, unpack
-from fdlite.sample.sampler import _NEG_INF, SamplerOutput, SamplingBatch, bans_a_grammar_leaves
+from fdlite.sample.sampler import _NEG_INF, PendingSample, SamplerOutput, SamplingBatch, bans_a_grammar_leaves
 
 
 def _upload(a, dtype) -> paddle.Tensor:
@@ -84,13 +84,16 @@ class GpuSampler:
 
     def __init__(self) -> None:
         self.tables: DeviceTokenTables | None = None
+        self.copies = gpu_ops.PinnedCopies()
 
     def close(self) -> None:
         tables, self.tables = self.tables, None
         if tables is not None:
             tables.release()
+        self.copies.close()
 
-    def __call__(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: paddle.Tensor, batch: SamplingBatch, defer: bool = False) -> SamplerOutput | PendingSample:
+        """Sample; with `defer` the ids' copy to the host is left in flight (a `PendingSample`)."""
         if logits.ndim != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [rows={batch.num_rows}, vocab], got shape {list(logits.shape)}")
         asking = np.nonzero(batch.num_logprobs >= 0)[0]
@@ -109,13 +112,22 @@ class GpuSampler:
         if batch.penalty_rows is not None:
             self.tables.count(batch.penalty_slots, gpu_ops.gather_rows(tokens, _upload(batch.penalty_rows, np.int64)))
         if not len(asking):
-            return SamplerOutput(gpu_ops.to_host(tokens).tolist(), device_tokens=tokens)
-        num = batch.num_logprobs[asking]
-        k = int(num.max())
-        # One copy: the sampled ids and the asking rows' [2 + 2k] numbers in one buffer.
-        buf = gpu_ops.to_host(gpu_ops.logprobs(raw, _upload(raw_rows, np.int64), tokens, _upload(asking, np.int64), k))
-        ids, tensors = unpack(buf, batch.num_rows, asking, k)
-        return SamplerOutput(ids.tolist(), tensors, asking, num, device_tokens=tokens)
+            copy = self.copies.start(tokens)
+
+            def finish(host):
+                return SamplerOutput(host.tolist(), device_tokens=tokens)
+        else:
+            num = batch.num_logprobs[asking]
+            k = int(num.max())
+            # One copy: the sampled ids and the asking rows' [2 + 2k] numbers in one buffer.
+            copy = self.copies.start(gpu_ops.logprobs(raw, _upload(raw_rows, np.int64), tokens,
+                                                      _upload(asking, np.int64), k))
+
+            def finish(host):
+                ids, tensors = unpack(host, batch.num_rows, asking, k)
+                return SamplerOutput(ids.tolist(), tensors, asking, num, device_tokens=tokens)
+        pending = PendingSample(copy, finish, tokens)
+        return pending if defer else pending.wait()
 
     def _adjust(self, logits: paddle.Tensor, batch: SamplingBatch) -> None:
         """Penalties, logit_bias, allowed_token_ids, the grammar mask, then min_tokens bans (the CPU sampler's

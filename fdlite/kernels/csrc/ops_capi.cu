@@ -9,7 +9,7 @@
 
 #define FDL_API extern "C" __attribute__((visibility("default")))
 
-FDL_API int fdl_ops_abi_version(void) { return 4; }
+FDL_API int fdl_ops_abi_version(void) { return 5; }
 
 // The switches of fdlite/envs.py the kernels follow (the C++ side reads no environment): pdl = FDLITE_PDL
 // (0, 1 or 2: see fdl::Options), gemv = FDLITE_GEMV (0 or 1). Called once by fdlite/kernels/gpu.py when it
@@ -37,6 +37,25 @@ FDL_API float fdl_event_elapsed_ms(void* start, void* end) {
 }
 
 FDL_API int fdl_event_destroy(void* e) { return (int)cudaEventDestroy((cudaEvent_t)e); }
+
+// Pinned host memory (page-locked: a device -> host copy into it is asynchronous) and its release.
+FDL_API void* fdl_host_alloc(size_t bytes) {
+  void* p = nullptr;
+  return cudaHostAlloc(&p, bytes, cudaHostAllocDefault) == cudaSuccess ? p : nullptr;
+}
+
+FDL_API int fdl_host_free(void* p) { return (int)cudaFreeHost(p); }
+
+// Device -> host copy on `stream` into pinned memory, then `event` recorded after it: the caller waits on the
+// event (fdl_event_synchronize) when it needs the values, and the stream runs on meanwhile.
+FDL_API int fdl_memcpy_d2h_async(void* dst, const void* src, size_t bytes, void* stream, void* event) {
+  const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, (cudaStream_t)stream);
+  if (e != cudaSuccess) return (int)e;
+  return (int)cudaEventRecord((cudaEvent_t)event, (cudaStream_t)stream);
+}
+
+// Blocks the calling host thread until `event` completed (ctypes releases the GIL meanwhile).
+FDL_API int fdl_event_synchronize(void* e) { return (int)cudaEventSynchronize((cudaEvent_t)e); }
 
 // Synchronous device -> host copy through our runtime (the harness checks data_ptr() with it).
 FDL_API int fdl_memcpy_d2h(void* dst, const void* src, size_t bytes) {
