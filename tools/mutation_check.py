@@ -511,6 +511,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_fast_load.py", "tests/test_hf_parity.py::test_prefill_logits_match_transformers"),
         "new",
     ),
+    Mutation(
+        "async-waits-for-the-ids-copy",
+        "Async scheduling's step thread waits for the sampled ids' copy before it can launch the next step",
+        (Edit("fdlite/runner/engine.py",
+              "        runner.sampler.defer_host_copy = config.async_scheduling and config.tensor_parallel_size == 1",
+              "        runner.sampler.defer_host_copy = False  # MUTATION"),),
+        ("tests/test_async_early_prepare.py",),
+        "new",
+    ),
     # ---- a newcomer's first run and the repository's hygiene ----------------------------------------------
     Mutation(
         "sampling-params-bare-typeerror",
