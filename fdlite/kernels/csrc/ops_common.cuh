@@ -217,21 +217,26 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-__device__ __forceinline__ float block_sum(float v) {
+// `WarpOp` (warp_sum, warp_max) over the block (blockDim.x a multiple of 32, at most 1024): each warp's part, then
+// the parts in warp 0 (`idle` for the warps the block does not have); every thread gets the result.
+template <float (*WarpOp)(float)>
+__device__ __forceinline__ float block_reduce(float v, float idle) {
   __shared__ float part[32];
   __shared__ float total;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  v = warp_sum(v);
+  v = WarpOp(v);
   if (lane == 0) part[wid] = v;
   __syncthreads();
   if (wid == 0) {
-    float s = lane < nw ? part[lane] : 0.f;
-    s = warp_sum(s);
+    float s = lane < nw ? part[lane] : idle;
+    s = WarpOp(s);
     if (lane == 0) total = s;
   }
   __syncthreads();
   return total;
 }
+
+__device__ __forceinline__ float block_sum(float v) { return block_reduce<warp_sum>(v, 0.f); }
+__device__ __forceinline__ float block_max(float v) { return block_reduce<warp_max>(v, -__int_as_float(0x7f800000)); }
 
 }  // namespace fdl

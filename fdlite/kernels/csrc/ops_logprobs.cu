@@ -24,22 +24,6 @@ __device__ __forceinline__ float clean(float f) { return isnan(f) ? -CUDART_INF_
 
 __device__ __forceinline__ bool better(float av, int ai, float bv, int bi) { return av > bv || (av == bv && ai < bi); }
 
-__device__ __forceinline__ float block_max(float v) {
-  __shared__ float part[32];
-  __shared__ float total;
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  v = warp_max(v);
-  if (lane == 0) part[wid] = v;
-  __syncthreads();
-  if (wid == 0) {
-    float m = lane < nw ? part[lane] : -CUDART_INF_F;
-    m = warp_max(m);
-    if (lane == 0) total = m;
-  }
-  __syncthreads();
-  return total;
-}
-
 // The block's best (value, index), lowest index among equals; every thread gets it.
 __device__ __forceinline__ void block_argmax(float& bv, int& bi) {
   __shared__ float fv[32];
