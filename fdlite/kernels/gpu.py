@@ -377,7 +377,7 @@ def logprobs(logits, rows, targets, target_of, k: int):
 
 def to_host(x) -> np.ndarray:
     """A device tensor's values on the host (a blocking copy): every device-to-host copy of the sampler goes
-    through here or `to_host_async`, so the emulated GPU path can count them."""
+    through here or `PinnedCopies`, so the emulated GPU path can count them."""
     return x.numpy()
 
 

@@ -73,11 +73,9 @@ def compute_logprobs(x: np.ndarray, targets: np.ndarray, k: int) -> LogprobsTens
     if k:
         cand = np.argpartition(-x, k - 1, axis=1)[:, :k]
         kth = np.take_along_axis(x, cand, 1).min(axis=1)
-        for r in range(a):
-            if np.count_nonzero(x[r] >= kth[r]) > k:  # ties across the k-th place: the lower ids win
-                cand[r] = _top_by_id(x[r], kth[r], k)
-            vals = x[r, cand[r]]
-            top[r] = cand[r][np.lexsort((cand[r], -vals))]
+        for r in np.nonzero(np.count_nonzero(x >= kth[:, None], axis=1) > k)[0]:  # ties across the k-th place:
+            cand[r] = _top_by_id(x[r], kth[r], k)  # the lower ids win
+        top = np.take_along_axis(cand, np.lexsort((cand, -np.take_along_axis(x, cand, 1)), axis=1), 1)
     top_lp = (np.take_along_axis(x64, top, 1) - lse[:, None]).astype(np.float32)
     return LogprobsTensors(token_ids=targets, logprobs=(xt.astype(np.float64) - lse).astype(np.float32), ranks=ranks,
                            top_ids=top, top_logprobs=top_lp)
