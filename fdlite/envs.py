@@ -7,7 +7,7 @@ environment: see tests/env_patch.py). Unset and empty mean the default.
 
 New behaviour switches belong in `EngineConfig` (fdlite/config.py); a variable here is a location, a
 toolchain setting, or a debug switch. The C++ sources read no environment: fdlite/kernels/gpu.py passes
-FDLITE_PDL and FDLITE_GEMV to the ops library once, when it loads it (`fdl_set_options`).
+FDLITE_PDL, FDLITE_GEMV and FDLITE_ATTN_MMA to the ops library once, when it loads it (`fdl_set_options`).
 
 fdlite also *sets* two variables for the libraries it drives, which are not options: MKL_DEBUG_CPU_TYPE
 (fdlite/mkl_amd.py, before Paddle loads MKL) and PADDLE_DISTRI_BACKEND (fdlite/distributed/parallel_state.py).
@@ -103,6 +103,8 @@ VARIABLES: dict[str, Var] = {
                       "allows it, 2 only after another fdlite kernel (passed to the library at load).", _pdl),
     "FDLITE_GEMV": Var("1", "0 turns off the decode GEMV (batches of at most 4 rows go to cuBLASLt instead; "
                        "passed to the library at load).", _flag),
+    "FDLITE_ATTN_MMA": Var("1", "0 sends bf16/fp16 prefill attention to the CUDA-core tile kernel instead of the "
+                           "tensor-core one (for side-by-side measurements; passed to the library at load).", _flag),
     "FDLITE_CUDAGRAPH_BACKEND": Var("", "`eager` replaces CUDA graph capture by fdlite's eager-replay stand-in "
                                     "(fdlite/graph/eager_replay.py), on any device: for CPU tests.", _lower),
     # --- debugging
@@ -180,6 +182,7 @@ if TYPE_CHECKING:
     FDLITE_GPU_OPS_CHECKS: bool
     FDLITE_PDL: int
     FDLITE_GEMV: bool
+    FDLITE_ATTN_MMA: bool
     FDLITE_CUDAGRAPH_BACKEND: str
     FDLITE_INCREMENTAL_DETOKENIZE: bool
     FDLITE_DEBUG_POISON_FREED_BLOCKS: bool

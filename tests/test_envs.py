@@ -194,7 +194,7 @@ def test_parsing(monkeypatch):
 
 
 def test_gpu_ops_take_their_switches_from_python():
-    """ops_capi.cu exports fdl_set_options(int pdl, int gemv), gpu.py declares every exported C function with
+    """ops_capi.cu exports fdl_set_options(int pdl, int gemv, int attn_mma), gpu.py declares every exported C function with
     the right number of arguments, and both agree on the ABI version."""
     from fdlite.kernels import gpu
 
@@ -204,6 +204,6 @@ def test_gpu_ops_take_their_switches_from_python():
     assert set(exported) == set(gpu.CAPI_SIGNATURES)
     for name, params in exported.items():
         assert len(params) == len(gpu.CAPI_SIGNATURES[name][1]), name
-    assert exported["fdl_set_options"] == ["int pdl", " int gemv"]
+    assert exported["fdl_set_options"] == ["int pdl", " int gemv", " int attn_mma"]
     version = re.search(r"fdl_ops_abi_version\(void\)\s*\{\s*return (\d+);", text).group(1)
     assert int(version) == gpu.ABI_VERSION

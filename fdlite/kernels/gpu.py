@@ -15,7 +15,8 @@ does for the fused qkv).
 
 `load()` registers the ops once per process: from $FDLITE_GPU_OPS_LIB, else from the on-disk build
 cache (fdlite.kernels.build, compiled on first use), and passes the library its run-time switches from
-fdlite/envs.py (FDLITE_PDL, FDLITE_GEMV: the C++ side reads no environment). The models reach them through the CPU/GPU dispatch of `fdlite/layers/` (`CustomOp`, `fdlite/kernels/custom_op.py`).
+fdlite/envs.py (FDLITE_PDL, FDLITE_GEMV, FDLITE_ATTN_MMA: the C++ side reads no environment; `set_options` changes
+them later, for side-by-side measurements). The models reach them through the CPU/GPU dispatch of `fdlite/layers/` (`CustomOp`, `fdlite/kernels/custom_op.py`).
 
 Cost: the checks are Python attribute reads on Paddle tensors (measured on the H100 machine's host
 with Paddle 2.6.2: an eager `rms_norm` call costs 56-113 us of wall time, against 1.8 us per op in a
@@ -59,7 +60,7 @@ _vp, _int, _size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 # The plain C entry points of ops_capi.cu: name -> (restype, argtypes).
 CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fdl_ops_abi_version": (_int, []),
-    "fdl_set_options": (_int, [_int, _int]),
+    "fdl_set_options": (_int, [_int, _int, _int]),
     "fdl_event_create": (_vp, []),
     "fdl_event_record": (_int, [_vp, _vp]),
     "fdl_event_elapsed_ms": (ctypes.c_float, [_vp, _vp]),
@@ -72,7 +73,7 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fdl_memcpy_d2h_async": (_int, [_vp, _vp, _size, _vp, _vp]),
     "fdl_event_synchronize": (_int, [_vp]),
 }
-ABI_VERSION = 5  # fdl_ops_abi_version() of the sources this module speaks to
+ABI_VERSION = 6  # fdl_ops_abi_version() of the sources this module speaks to
 
 
 def load(path: str | None = None) -> str:
@@ -92,10 +93,20 @@ def load(path: str | None = None) -> str:
             raise GpuOpsError(f"{path}: ABI version {capi.fdl_ops_abi_version()}, this module speaks {ABI_VERSION}: "
                               "rebuild it")
         run = native.load_paddle_ops(path)
-        if capi.fdl_set_options(envs.FDLITE_PDL, int(envs.FDLITE_GEMV)):  # before any op runs
+        if capi.fdl_set_options(envs.FDLITE_PDL, int(envs.FDLITE_GEMV), int(envs.FDLITE_ATTN_MMA)):  # before any op
             raise GpuOpsError(f"fdl_set_options refused FDLITE_PDL={envs.FDLITE_PDL}")
         _state.update(path=path, run=run, capi=capi)
         return path
+
+
+def set_options(pdl: int | None = None, gemv: bool | None = None, attn_mma: bool | None = None) -> None:
+    """Change the ops library's switches after load (None keeps the value from fdlite/envs.py). Launches after
+    the call follow it; captured graphs keep what they captured. For side-by-side measurements in one process."""
+    load()
+    vals = (envs.FDLITE_PDL if pdl is None else pdl, int(envs.FDLITE_GEMV if gemv is None else gemv),
+            int(envs.FDLITE_ATTN_MMA if attn_mma is None else attn_mma))
+    if _state["capi"].fdl_set_options(*vals):
+        raise GpuOpsError(f"fdl_set_options refused pdl={vals[0]} (0, 1 or 2)")
 
 
 def _run(name: str, *args):

@@ -679,6 +679,45 @@ check("paged_attention g=16 (16/1 heads) decode splits=3", t_attn(decode_rows[:4
 if not ARGS.quick:
     check("paged_attention long decode 4096 + prefill 1000 after 3000 cached, bf16",
           t_attn([(1, 4096), (1, 2500), (1000, 4000)]))
+
+# The tensor-core tile kernel (bf16 / fp16 at head_dim 64 / 128): odd lengths, every block and chunk edge
+# (16 / 32 / 64 keys, 128-row tiles), cached prefixes, GQA ratios 1-8 (and 3: tiles of 42 tokens).
+mma_rows = [(5, 5), (17, 17), (63, 64), (64, 64), (65, 65), (127, 127), (129, 300), (200, 1000), (1, 40), (6, 6)]
+for dt in ("bfloat16", "float16"):
+    for d, bs in ((64, 16), (128, 64)):
+        for h, kvh in ((8, 8), (16, 8), (12, 4), (16, 4), (32, 4)):
+            check(f"paged_attention tensor-core tiles {dt} d{d} bs{bs} {h}/{kvh} heads (g={h // kvh})",
+                  t_attn(mma_rows, h=h, kvh=kvh, d=d, bs=bs, dt=dt))
+
+
+def t_attn_row_invariance(dt="bfloat16", d=128, h=16, kvh=8):
+    """A prefill row's output is bit-identical alone and inside a batch (other rows before it shift its
+    tokens across tile boundaries; the rows around it have other lengths)."""
+    def f():
+        rows = [(1, 50), (37, 37), (300, 700), (1, 9), (9, 100), (130, 130)]
+        b = Batch(rows, h, kvh, d, 64, dt)
+        scale = d ** -0.5
+        ins = b.inputs()
+        full = to_np(G.paged_attention(*ins, scale, 0, 0))
+        worst = 0.0
+        for r, (ql, kv) in enumerate(rows):
+            if ql <= 4:
+                continue
+            t0 = int(b.cu[r])
+            alone = G.paged_attention(to_gpu(b.q[t0:t0 + ql], dt), b.kc, b.vc, to_gpu(b.bt[r:r + 1], "int32"),
+                                      to_gpu(b.seq[r:r + 1], "int32"), to_gpu(np.array([0, ql], np.int32), "int32"),
+                                      scale, 0, 0)
+            diff = np.abs(to_np(alone) - full[t0:t0 + ql])
+            worst = max(worst, float(np.nanmax(diff)) if diff.size else 0.0)
+        return worst == 0.0, worst, 0.0, f"{sum(ql > 4 for ql, _ in rows)} prefill rows alone vs in a batch of {len(rows)}"
+    return f
+
+
+for dt in ("bfloat16", "float16"):
+    check(f"paged_attention tensor-core tiles: a prefill row alone = in a batch, bitwise ({dt})",
+          t_attn_row_invariance(dt))
+check("paged_attention tensor-core tiles: a prefill row alone = in a batch, bitwise (d64, g=4)",
+      t_attn_row_invariance(d=64, h=16, kvh=4))
 save()
 
 # ================================================================== (f) logits, argmax, sampling
@@ -1093,8 +1132,8 @@ if not ARGS.no_bench:
     def bench_attn_decode():
         out = []
         h, kvh, d, bs = 16, 8, 128, 64
-        for ctx in (512, 2048):
-            for B in (1, 16, 64, 256):
+        for ctx in (512, 2048, 4096):
+            for B in (1, 16, 64, 128, 256):
                 nbr = ctx // bs
                 ws = B * ctx * kvh * d * 2 * 2
                 sets = max(1, min(8, math.ceil(256e6 / ws)))  # rotate past the 50 MB L2
@@ -1123,16 +1162,34 @@ if not ARGS.no_bench:
         return out
 
     def bench_attn_prefill():
+        """Causal prefill attention, the tensor-core tile kernel beside the CUDA-core one (FDLITE_ATTN_MMA=0),
+        in TFLOP/s of the causal FLOPs (4 h d per (query, visible key) pair)."""
         out = []
-        h, kvh, d, bs = 16, 8, 128, 64
-        for rows in ([(2048, 2048)], [(512, 512)] * 4, [(512, 2048)] * 4):
-            b = Batch(rows, h, kvh, d, bs, "bfloat16", extra_blocks=0)
-            ins = b.inputs()
-            us = graph_time_us(lambda: G.paged_attention(*ins, d ** -0.5, 0, 0), per_graph=5, replays=5)
-            flops = sum(4 * h * d * sum(min(kv, kv - ql + i + 1) for i in range(ql)) for ql, kv in rows)
-            row = {"rows": [list(r) for r in rows], "us": round(us, 1), "TFLOP_s": round(flops / us / 1e6, 1)}
-            out.append(row)
-            log(f"  prefill attn {rows[0]}x{len(rows)}: {us:9.1f} us  {row['TFLOP_s']} TFLOP/s")
+        cases = [("Qwen3-0.6B layer", 16, 8, 128, [(2048, 2048)]),
+                 ("Qwen3-0.6B layer", 16, 8, 128, [(2048, 2048)] * 8),
+                 ("Llama-3.1-8B layer", 32, 8, 128, [(2048, 2048)] * 4),
+                 ("Qwen3-0.6B layer", 16, 8, 128, [(512, 512)] * 4),
+                 ("Qwen3-0.6B layer", 16, 8, 128, [(512, 2048)] * 4),
+                 ("Qwen3-0.6B layer, 1k prompts", 16, 8, 128, [(1024, 1024)] * 8),
+                 ("d64 (16/16 heads)", 16, 16, 64, [(2048, 2048)] * 4)]
+        try:
+            for name, h, kvh, d, rows in cases:
+                b = Batch(rows, h, kvh, d, 64, "bfloat16", extra_blocks=0)
+                ins = b.inputs()
+                flops = sum(4 * h * d * sum(min(kv, kv - ql + i + 1) for i in range(ql)) for ql, kv in rows)
+                row = {"case": name, "h": h, "kvh": kvh, "d": d, "rows": [list(r) for r in rows]}
+                for mma in (False, True):
+                    G.set_options(attn_mma=mma)
+                    us = graph_time_us(lambda: G.paged_attention(*ins, d ** -0.5, 0, 0), per_graph=5, replays=5)
+                    key = "tensor_cores" if mma else "cuda_cores"
+                    row[key] = {"us": round(us, 1), "TFLOP_s": round(flops / us / 1e6, 1)}
+                out.append(row)
+                log(f"  prefill attn {name} {rows[0]}x{len(rows)}: tensor cores {row['tensor_cores']['us']:9.1f} us "
+                    f"{row['tensor_cores']['TFLOP_s']:6.1f} TFLOP/s; CUDA cores {row['cuda_cores']['us']:9.1f} us "
+                    f"{row['cuda_cores']['TFLOP_s']:6.1f} TFLOP/s")
+                del b, ins
+        finally:
+            G.set_options()
         return out
 
     def bench_gemm():

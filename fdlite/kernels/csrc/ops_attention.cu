@@ -29,6 +29,7 @@
 #include <math_constants.h>
 
 #include <mutex>
+#include <type_traits>
 
 #include "ops_common.cuh"
 
@@ -503,6 +504,14 @@ __global__ void __launch_bounds__(NT) attn_tile_kernel(Args a, int tile_tokens) 
   }
 }
 
+}  // namespace
+}  // namespace fdl
+
+#include "attention_mma.cuh"
+
+namespace fdl {
+namespace {
+
 // Per-device split counters of the decode kernel: allocated and zeroed by the first call (eager: it
 // allocates), kept zero by the kernel itself (each (token, KV head)'s last block resets its entry).
 constexpr int64_t kMaxCounters = 1 << 16;
@@ -536,15 +545,35 @@ template <typename T, int D>
 void launch_attention(Args a, bool tiles, cudaStream_t s) {
   if (a.T == 0) return;
   const size_t dsm = decode_smem<T, D>(a.g);
-  static bool init = false;
+  static bool init = false, init_cc = false;
+  // bf16 / fp16 at head_dim 64 / 128 take the tensor-core tile kernel (attention_mma.cuh)
+  constexpr bool mma = !std::is_same<T, float>::value && (D == 64 || D == 128);
+  constexpr int mma_d = D == 64 ? 64 : 128;
   if (!init) {  // host-side attributes, set once per instantiation (also fine during a capture)
     set_smem(attn_decode_kernel<T, D>, decode_smem<T, D>(MAXG));
-    set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
+    if constexpr (mma) set_smem(attn_mma_kernel<T, mma_d>, MmaTile<mma_d>::bytes);
+    else set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
     init = true;
   }
   launch("attn_decode_kernel", attn_decode_kernel<T, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s, pdl_rows(a.T),
          a);
-  if (tiles) {
+  if constexpr (mma) {
+    if (!tiles) return;
+    if (!options().attn_mma) {  // the CUDA-core kernel, for side-by-side measurements
+      if (!init_cc) {
+        set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
+        init_cc = true;
+      }
+      launch("attn_tile_kernel", attn_tile_kernel<T, D>, dim3((unsigned)ceil_div(a.T, BM / a.g), a.kvh), NT,
+             TileLayout<T, D>::bytes, s, false, a, BM / a.g);
+      FDL_CHECK_LAUNCH("fdl_paged_attention (tile kernel)");
+      return;
+    }
+    const int tile_tokens = MmaTile<mma_d>::BM / a.g;
+    launch("attn_mma_kernel", attn_mma_kernel<T, mma_d>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh),
+           MmaTile<mma_d>::NTH, MmaTile<mma_d>::bytes, s, false, a, tile_tokens);
+    FDL_CHECK_LAUNCH("fdl_paged_attention (tensor-core tile kernel)");
+  } else if (tiles) {
     const int tile_tokens = BM / a.g;
     launch("attn_tile_kernel", attn_tile_kernel<T, D>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh), NT,
            TileLayout<T, D>::bytes, s, false, a, tile_tokens);

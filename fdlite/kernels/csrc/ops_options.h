@@ -12,6 +12,9 @@ struct Options {
   int pdl = 2;
   // FDLITE_GEMV: false sends [N, K] weights at <= 4 rows to cuBLASLt too (ops_linear.cu).
   bool gemv = true;
+  // FDLITE_ATTN_MMA: false sends bf16 / fp16 prefill attention to the CUDA-core tile kernel instead of the
+  // tensor-core one (ops_attention.cu; for side-by-side measurements).
+  bool attn_mma = true;
 };
 
 inline Options& options() {

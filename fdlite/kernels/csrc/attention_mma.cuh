@@ -1,0 +1,319 @@
+// Tensor-core tile kernel of fdl_paged_attention (ops_attention.cu) for bf16 / fp16 and head_dim 64 / 128:
+// the prefill and chunked-prefill rows (q_len > kDecodeMaxQ), FlashAttention-2 style on `mma.sync`
+// m16n8k16 with fp32 accumulation. Included by ops_attention.cu after `Args`, `find_row` and
+// `kDecodeMaxQ`; fp32 and head_dim 256 keep the CUDA-core tile kernel there.
+//
+// Why mma.sync and not Hopper's wgmma + TMA: the tile's rows are (token, query head) pairs gathered from
+// a flat varlen batch and its keys come through a block table, which TMA's dense tensor maps do not
+// describe; mma.sync with cp.async gathers keep the kernel one page long. Measured against the H100's
+// limits in docs/benchmarks.md.
+//
+// Work split, as in the CUDA-core kernel (so graphs replay it for any batch of the captured token count):
+// grid (ceil(T / tile_tokens), kv_heads); block b takes tokens [b * tile_tokens, ...) of the flat axis
+// (blocks in reverse, so the last and usually longest tiles of a prompt start first) and works through
+// the row segments inside it. A tile holds BM = 128 query rows (token x query head of one KV head:
+// GQA heads share every K/V byte), 4 warps of 2 x 16 rows, against chunks of BN keys streamed through
+// shared memory with cp.async double buffering. Scores are scaled in fp32 (log2 units, exp2); the
+// probabilities go to bf16 / fp16 for the P V product, as FlashAttention does; row sums stay fp32.
+//
+// A row's result depends only on its own query and keys: every row sees its keys in chunks from key 0
+// in the same order whatever else shares its tile, and masked keys contribute exact zeros.
+#pragma once
+
+namespace fdl {
+namespace {
+
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void* p) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], const void* p) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+// c += a (16x16, row-major) * b (16x8, column-major), fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma16816<__half>(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as one register of two T (the lower column in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <int D>
+struct MmaTile {
+  static constexpr int NW = 4;              // warps
+  static constexpr int NTH = NW * 32;
+  static constexpr int MT = 2;              // 16-row m-tiles per warp
+  static constexpr int BM = NW * MT * 16;   // query rows per tile
+  static constexpr int BN = D == 64 ? 64 : 32;  // keys per chunk (128: keeps the S tile in registers)
+  static constexpr int VPR = D / 8;         // 16-byte vectors per row
+  static constexpr int ROW = D + 8;         // padded smem row (elements): ldmatrix's 8 rows hit distinct banks
+  static constexpr int Q_ELEMS = BM * ROW;
+  static constexpr int KV_ELEMS = BN * ROW; // one chunk of K (or V)
+  static constexpr int CPT = BN * VPR / NTH;  // 16-byte copies per thread per chunk, of K and of V each
+  static_assert(BN * VPR % NTH == 0, "chunk must split evenly over the block");
+  static constexpr size_t bytes = (size_t)(Q_ELEMS + 4 * KV_ELEMS) * 2;
+};
+
+// Cache rows of the keys this thread copies for the chunk starting at k0 (-1: past k_end), computed one
+// chunk ahead of the copy so the block-table loads are in flight while the current chunk is computed.
+template <int D>
+struct MmaChunkRows {
+  using C = MmaTile<D>;
+  int row[C::CPT];
+
+  __device__ __forceinline__ void compute(const int* btab, int kvh, int j, int bs, int k0, int k_end) {
+#pragma unroll
+    for (int n = 0; n < C::CPT; ++n) {
+      const int kk = k0 + (int)(threadIdx.x + n * C::NTH) / C::VPR;
+      row[n] = kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+    }
+  }
+
+  template <typename T>
+  __device__ __forceinline__ void issue(T* ks, T* vs, const T* kc, const T* vc) const {
+#pragma unroll
+    for (int n = 0; n < C::CPT; ++n) {
+      const int i = threadIdx.x + n * C::NTH;
+      const int kr = i / C::VPR, c = i - kr * C::VPR;
+      const bool valid = row[n] >= 0;  // invalid: zero-filled (V rows must not be NaN: 0 * NaN)
+      const T* sk = valid ? kc + (int64_t)row[n] * D + c * 8 : kc;
+      const T* sv = valid ? vc + (int64_t)row[n] * D + c * 8 : vc;
+      cp_async16(ks + kr * C::ROW + c * 8, sk, valid);
+      cp_async16(vs + kr * C::ROW + c * 8, sv, valid);
+    }
+    cp_async_commit();
+  }
+};
+
+template <typename T, int D>
+__device__ void mma_segment(const Args& a, T* smem, int r, int64_t ts, int64_t te) {
+  using C = MmaTile<D>;
+  constexpr int BN = C::BN, MT = C::MT, NTN = BN / 8, NTD = D / 8;
+  const int j = blockIdx.y, g = a.g;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row_start = a.cu[r], q_len = a.cu[r + 1] - row_start, kv_len = a.seq_lens[r];
+  const int ntok = (int)(te - ts), M = ntok * g;
+  const int pos0 = kv_len - q_len + (int)(ts - row_start);  // position of the segment's first token
+  const int kv_end = max(0, min(kv_len, pos0 + ntok));
+  const int nchunks = (kv_end + BN - 1) / BN;
+
+  T* Qs = smem;
+  T* kbuf = Qs + C::Q_ELEMS;
+  T* vbuf = kbuf + 2 * C::KV_ELEMS;
+
+  __syncthreads();  // the previous segment is done with smem
+  // Q rows (token-major, the g heads of KV head j for each token), zeros past M; one commit group
+  // with the first K/V chunk.
+  const T* q = static_cast<const T*>(a.q);
+  for (int i = threadIdx.x; i < C::BM * C::VPR; i += C::NTH) {
+    const int m = i / C::VPR, c = i - m * C::VPR;
+    const bool valid = m < M;
+    const int tok = valid ? m / g : 0, hh = valid ? m - tok * g : 0;
+    cp_async16(Qs + m * C::ROW + c * 8, q + ((ts + tok) * a.h + (int64_t)j * g + hh) * D + c * 8, valid);
+  }
+  const int* btab = a.block_tables + (int64_t)r * a.max_blocks;
+  const T* kc = static_cast<const T*>(a.kc);
+  const T* vc = static_cast<const T*>(a.vc);
+  MmaChunkRows<D> rows;
+  if (nchunks > 0) {
+    rows.compute(btab, a.kvh, j, a.bs, 0, kv_end);
+    rows.issue(kbuf, vbuf, kc, vc);
+    if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, BN, kv_end);
+  } else {
+    cp_async_commit();
+  }
+
+  // This thread's rows: m = m0 + mt * 16 + 8 * hf.
+  const int m0 = warp * MT * 16 + (lane >> 2);
+  float o[MT][NTD][4], mx[MT][2], ls[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      mx[mt][hf] = -CUDART_INF_F;
+      ls[mt][hf] = 0.f;
+    }
+#pragma unroll
+    for (int n = 0; n < NTD; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+  }
+  // ldmatrix lane addressing: A / V^T tiles (row = lane % 8 + 8 * (lane / 8 % 2), col = 8 * (lane / 16));
+  // K tiles (key = lane % 8 + 8 * (lane / 16), col = 8 * (lane / 8 % 2)).
+  const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
+  const int k_row = (lane & 7) + 8 * (lane >> 4), k_col = 8 * ((lane >> 3) & 1);
+  const T* q_base = Qs + (warp * MT * 16 + a_row) * C::ROW + a_col;
+
+  for (int c = 0; c < nchunks; ++c) {
+    cp_async_wait_all();
+    __syncthreads();  // chunk c (and Q) landed; every warp is done with chunk c - 1
+    const int kb = c * BN;
+    if (c + 1 < nchunks) {
+      rows.issue(kbuf + ((c + 1) & 1) * C::KV_ELEMS, vbuf + ((c + 1) & 1) * C::KV_ELEMS, kc, vc);
+      if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * BN, kv_end);
+    }
+    const T* ks = kbuf + (c & 1) * C::KV_ELEMS;
+    const T* vs = vbuf + (c & 1) * C::KV_ELEMS;
+
+    // S = Q K^T
+    float s[MT][NTN][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < NTN; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t af[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) ldsm_x4(af[mt], q_base + mt * 16 * C::ROW + kk * 16);
+#pragma unroll
+      for (int np = 0; np < NTN / 2; ++np) {
+        uint32_t bf[4];
+        ldsm_x4(bf, ks + (np * 16 + k_row) * C::ROW + kk * 16 + k_col);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<T>(s[mt][2 * np], af[mt], bf[0], bf[1]);
+          mma16816<T>(s[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+        }
+      }
+    }
+
+    // scale (log2 units), mask, online softmax; a row's BN keys sit in the 4 lanes of its quad
+    const bool masked = kb + BN > min(kv_end, pos0 + 1);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float cm = -CUDART_INF_F;
+        // keys this row may see end before `lim` (recomputed here: registers are short); padding rows see none
+        const int m = m0 + mt * 16 + 8 * hf;
+        const int lim = m < M ? min(kv_end, pos0 + m / g + 1) : 0;
+#pragma unroll
+        for (int n = 0; n < NTN; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float v = s[mt][n][hf * 2 + e] * a.scale_log2;
+            if (masked && kb + n * 8 + 2 * (lane & 3) + e >= lim) v = -CUDART_INF_F;
+            s[mt][n][hf * 2 + e] = v;
+            cm = fmaxf(cm, v);
+          }
+        cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 1));
+        cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 2));
+        const float m_new = fmaxf(mx[mt][hf], cm);
+        const float al = m_new == -CUDART_INF_F ? 1.f : exp2f(mx[mt][hf] - m_new);
+        mx[mt][hf] = m_new;
+        float ps = 0.f;
+#pragma unroll
+        for (int n = 0; n < NTN; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = m_new == -CUDART_INF_F ? 0.f : exp2f(s[mt][n][hf * 2 + e] - m_new);
+            s[mt][n][hf * 2 + e] = p;
+            ps += p;
+          }
+        ls[mt][hf] = ls[mt][hf] * al + ps;
+#pragma unroll
+        for (int n = 0; n < NTD; ++n) {
+          o[mt][n][hf * 2] *= al;
+          o[mt][n][hf * 2 + 1] *= al;
+        }
+      }
+
+    // O += P V (P from the S accumulators, re-packed as the A operand)
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t pf[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pf[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pf[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pf[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pf[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < NTD / 2; ++dp) {
+        uint32_t bf[4];
+        ldsm_x4_t(bf, vs + (kk * 16 + a_row) * C::ROW + dp * 16 + a_col);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<T>(o[mt][2 * dp], pf[mt], bf[0], bf[1]);
+          mma16816<T>(o[mt][2 * dp + 1], pf[mt], bf[2], bf[3]);
+        }
+      }
+    }
+  }
+
+  cp_async_wait_all();  // nothing left in flight into smem the next segment reuses (nchunks 0: Q's copies)
+  // out = O / l (l summed over the quad); rows past M are padding
+  T* out = static_cast<T*>(a.out);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float l = ls[mt][hf];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int m = m0 + mt * 16 + 8 * hf;
+      if (m < M) {
+        const int tok = m / g, hh = m - tok * g;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        T* orow = out + ((ts + tok) * a.h + (int64_t)j * g + hh) * D + 2 * (lane & 3);
+#pragma unroll
+        for (int n = 0; n < NTD; ++n)
+          *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(o[mt][n][hf * 2] * inv, o[mt][n][hf * 2 + 1] * inv);
+      }
+    }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(MmaTile<D>::NTH, 2) attn_mma_kernel(Args a, int tile_tokens) {
+  pdl_trigger();
+  pdl_wait();
+  extern __shared__ float4 smem4[];
+  const int total = a.cu[a.B];
+  const int64_t t_begin = (int64_t)(gridDim.x - 1 - blockIdx.x) * tile_tokens;
+  const int64_t t_end = min((int64_t)total, min(a.T, t_begin + tile_tokens));
+  int64_t t = t_begin;
+  while (t < t_end) {  // uniform across the block: every thread walks the same segments
+    const int r = find_row(a.cu, a.B, t);
+    const int64_t seg_end = min(t_end, (int64_t)a.cu[r + 1]);
+    if (a.cu[r + 1] - a.cu[r] > kDecodeMaxQ) mma_segment<T, D>(a, reinterpret_cast<T*>(smem4), r, t, seg_end);
+    t = seg_end;
+  }
+}
+
+}  // namespace
+}  // namespace fdl
