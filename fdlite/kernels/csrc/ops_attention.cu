@@ -133,7 +133,9 @@ size_t decode_smem(int g) {
 
 // A row's KV split plan, from its own visible length L only (never from the batch, so a row's result
 // is the same in every batch): ceil(L / kSplitMin) splits of a whole number of chunks, at most kMaxSplits.
-constexpr int kSplitMin = 128;
+// Short splits keep a lone sequence's decode wide (8 KV heads x 8 splits at 512 tokens); a block that
+// walks many of them pays one fold per split, a few FLOPs per output element.
+constexpr int kSplitMin = 64;
 constexpr int kMaxSplits = 32;
 
 __host__ __device__ __forceinline__ void split_plan(int L, int& per, int& ns) {
@@ -183,10 +185,12 @@ __global__ void __launch_bounds__(NT, decode_min_blocks<T, D>()) attn_decode_ker
   const int limit = r < 0 ? 0 : max(0, min(kv_len, kv_len - q_len + qi + 1));
   int per, ns;
   split_plan(limit, per, ns);
-  if (z >= ns) return;  // more blocks than this token has splits
   // direct: this block walks all of the token's splits (Z == 1) or its only one, folds them and writes the
-  // output; otherwise it writes the partials of splits z, z + Z, ... and the last block to finish merges.
+  // output; otherwise block z writes the partials of its contiguous share of the splits and the last block
+  // to finish folds them.
   const bool direct = Z == 1 || ns == 1;
+  const int s_lo = direct ? 0 : (int)((int64_t)ns * z / Z), s_hi = direct ? ns : (int)((int64_t)ns * (z + 1) / Z);
+  if ((direct && z > 0) || s_lo >= s_hi) return;
 
   extern __shared__ float4 smem4[];
   float* qs = reinterpret_cast<float*>(smem4);
@@ -217,14 +221,14 @@ __global__ void __launch_bounds__(NT, decode_min_blocks<T, D>()) attn_decode_ker
   float acc[NI][2], accr[NI][2];
 #pragma unroll
   for (int n = 0; n < NI; ++n) acc[n][0] = acc[n][1] = accr[n][0] = accr[n][1] = 0.f;
-  int written = 0;  // partials this block wrote
+  const int written = s_hi - s_lo;  // partials this block writes (when not direct)
 
-  // Runs of contiguous splits: all of them when Z == 1, else one split at a time (z, z + Z, ...).
-  for (int s0 = z; per > 0 && s0 < ns; s0 += (Z == 1 ? ns : Z)) {
-    const int k_lo = s0 * per, k_hi = min(limit, (Z == 1 ? ns : s0 + 1) * per);
+  // One stream of chunks over splits [s_lo, s_hi); at each split's end the split is folded or written out.
+  if (per > 0) {
+    const int k_lo = s_lo * per, k_hi = min(limit, s_hi * per);
     const int nchunks = (k_hi - k_lo + KC - 1) / KC;
     ChunkRows<T, D> rows;  // addresses of the next chunk to issue
-    __syncthreads();       // the previous run is done with the K/V buffers
+    __syncthreads();       // q, m_s / l_s, Mr_s / Lr_s initialised
     rows.compute(btab, a.kvh, j, a.bs, k_lo, k_hi);
     rows.issue(kbuf, vbuf, kc, vc);
     if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, k_lo + KC, k_hi);
@@ -254,18 +258,25 @@ __global__ void __launch_bounds__(NT, decode_min_blocks<T, D>()) attn_decode_ker
         if (sub == 0) S[pr] = kb + key < k_hi ? dot : -CUDART_INF_F;
       }
       __syncthreads();
-      // online softmax, one warp per head (KC == 32: one key per lane)
+      // online softmax, one warp per head (KC == 32: one key per lane); a split's first chunk starts fresh
+      // and folds the previous split's (max, sum) into the running pair (its outputs were folded at its end)
+      const bool fresh = kb % per == 0;
       for (int hh = warp; hh < g; hh += NT / 32) {
         const float sv = S[hh * KC + lane];
-        const float m_old = m_s[hh];
+        const float m_old = fresh ? -CUDART_INF_F : m_s[hh];
         const float m_new = fmaxf(m_old, warp_max(sv));
         const float p = m_new == -CUDART_INF_F ? 0.f : exp2f(sv - m_new);
         const float sum = warp_sum(p);
         S[hh * KC + lane] = p;
         if (lane == 0) {
+          if (fresh && direct && kb > k_lo) {
+            const Fold f(Mr_s[hh], m_s[hh]);
+            Lr_s[hh] = f(Lr_s[hh], l_s[hh]);
+            Mr_s[hh] = f.m;
+          }
           const float al = m_new == -CUDART_INF_F ? 1.f : exp2f(m_old - m_new);
           al_s[hh] = al;
-          l_s[hh] = l_s[hh] * al + sum;
+          l_s[hh] = (fresh ? 0.f : l_s[hh]) * al + sum;
           m_s[hh] = m_new;
         }
       }
@@ -310,21 +321,16 @@ __global__ void __launch_bounds__(NT, decode_min_blocks<T, D>()) attn_decode_ker
           acc[n][0] = acc[n][1] = 0.f;
         }
       }
-      written += direct ? 0 : 1;
-      __syncthreads();  // every thread has read m_s / Mr_s
-      for (int hh = threadIdx.x; hh < g; hh += NT) {
-        if (direct) {
-          const Fold f(Mr_s[hh], m_s[hh]);
-          Lr_s[hh] = f(Lr_s[hh], l_s[hh]);
-          Mr_s[hh] = f.m;
-        }
-        m_s[hh] = -CUDART_INF_F;
-        l_s[hh] = 0.f;
-      }
     }
   }
-  __syncthreads();  // Mr_s / Lr_s final
+  __syncthreads();  // every thread is done with the last split's m_s / Mr_s
   if (direct) {
+    for (int hh = threadIdx.x; per > 0 && hh < g; hh += NT) {  // the last split's (max, sum)
+      const Fold f(Mr_s[hh], m_s[hh]);
+      Lr_s[hh] = f(Lr_s[hh], l_s[hh]);
+      Mr_s[hh] = f.m;
+    }
+    __syncthreads();
 #pragma unroll
     for (int n = 0; n < NI; ++n) {
       const int it = threadIdx.x + n * NT;
@@ -675,7 +681,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const int zs = (int)std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, kSplitMin)));
   int splits = num_splits;
   if (splits <= 0) {
-    const int64_t work = T * kvh, target = 16 * (int64_t)num_sms();
+    const int64_t work = T * kvh, target = 2 * (int64_t)num_sms();
     splits = work >= target ? 1 : (int)std::min<int64_t>(zs, ceil_div(target, std::max<int64_t>(work, 1)));
     if ((int64_t)zs * T * h * (d + 2) * 4 > (int64_t(64) << 20)) splits = 1;  // partials' workspace
   }
