@@ -17,18 +17,16 @@
 //
 // Two kernels, both always launched with grids that depend only on shapes and attributes (so a
 // captured graph replays for any batch content):
-//  - per-token ("decode") kernel, grid (T, kvh, Z): tokens of rows with q_len <= 4. One block
-//    holds the h / kvh query heads of one KV head, so each K/V byte is read once per KV head. A
-//    token's context is cut into splits of a fixed size that depends only on its own length
-//    (split_plan: 128 tokens and up, at most 32 splits), folded in split order; Z (from the shapes)
-//    only says how many blocks share the splits: one block walks them all, or Z blocks write partials
-//    and the last to finish folds them (a self-resetting counter: no second kernel). The result of a
-//    row is the same bits whatever batch it is in.
+//  - per-token ("decode") kernel, grid (T, kvh, splits): tokens of rows with q_len <= 4. One block
+//    holds the h / kvh query heads of one KV head, so each K/V byte is read once per KV head;
+//    long contexts are split across blocks, and the last block of each (token, KV head) to finish
+//    merges the splits (a self-resetting counter: no second kernel to launch and wait for).
 //  - tile ("prefill") kernel, grid (ceil(T / tile_tokens), kvh): each block takes a fixed slice of
 //    the flat token axis and works through the row segments inside it (rows with q_len > 4): query
 //    rows (token x head) against chunks of keys, so K/V are read once per tile, not per token. bf16 /
-//    fp16 at head_dim 64 / 128 use tensor cores (attention_mma.cuh: 128 rows per tile); fp32 and
-//    head_dim 256 the CUDA-core kernel below (64 rows against 32-key chunks).
+//    fp16 at head_dim 64 / 128 use tensor cores (attention_mma.cuh: 128 rows per tile; a row's result
+//    does not depend on the rest of the batch); fp32 and head_dim 256 the CUDA-core kernel below (64
+//    rows against 32-key chunks).
 // Both stream K/V chunks through shared memory with cp.async double buffering and keep the online
 // softmax in float32 (scores in log2 units, exp2).
 #include <math_constants.h>
@@ -118,11 +116,10 @@ struct ChunkRows {
 };
 
 // ------------------------------------------------------------------ per-token kernel
-// Per-token kernel smem: q [g][d] f32 | scores [g][KC] f32 | max, sum, rescale, running max, running sum
-// [g] f32 | K | V.
+// Per-token kernel smem: q [g][d] f32 | scores [g][KC] f32 | max, sum, rescale [g] f32 | K | V.
 template <int D>
 __host__ __device__ inline size_t decode_kv_offset(int g) {
-  return ((size_t)g * D * 4 + (size_t)g * KC * 4 + 5 * (size_t)g * 4 + 15) / 16 * 16;
+  return ((size_t)g * D * 4 + (size_t)g * KC * 4 + 3 * (size_t)g * 4 + 15) / 16 * 16;
 }
 
 template <typename T, int D>
@@ -131,48 +128,14 @@ size_t decode_smem(int g) {
   return decode_kv_offset<D>(g) + 2 * (size_t)L::KV_ELEMS * sizeof(T);
 }
 
-// A row's KV split plan, from its own visible length L only (never from the batch, so a row's result
-// is the same in every batch): ceil(L / kSplitMin) splits of a whole number of chunks, at most kMaxSplits.
-// Short splits keep a lone sequence's decode wide (8 KV heads x 8 splits at 512 tokens); a block that
-// walks many of them pays one fold per split, a few FLOPs per output element.
-constexpr int kSplitMin = 64;
-constexpr int kMaxSplits = 32;
-
-__host__ __device__ __forceinline__ void split_plan(int L, int& per, int& ns) {
-  if (L <= 0) {
-    per = 0;
-    ns = 1;
-    return;
-  }
-  ns = min(kMaxSplits, (L + kSplitMin - 1) / kSplitMin);
-  per = ((L + ns - 1) / ns + KC - 1) / KC * KC;
-  ns = (L + per - 1) / per;
-}
-
-// Folds split (m, l, o) into the running (M, L, O) (scores in log2 units); the same arithmetic, in split
-// order, whether one block walks every split or the last of several blocks merges their partials.
-struct Fold {
-  float wa, wb, m;
-  __device__ __forceinline__ Fold(float M, float ms) {
-    m = fmaxf(M, ms);
-    wa = M == -CUDART_INF_F ? 0.f : exp2f(M - m);
-    wb = ms == -CUDART_INF_F ? 0.f : exp2f(ms - m);
-  }
-  __device__ __forceinline__ float operator()(float run, float part) const { return __fmaf_rn(run, wa, __fmul_rn(part, wb)); }
-};
-
-// Register cap from the blocks that fit an SM by shared memory (2-byte types at head_dim <= 128: 6).
 template <typename T, int D>
-constexpr int decode_min_blocks() { return D == 256 ? 2 : (sizeof(T) == 4 ? 3 : 6); }
-
-template <typename T, int D>
-__global__ void __launch_bounds__(NT, decode_min_blocks<T, D>()) attn_decode_kernel(Args a) {
+__global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
   pdl_trigger();
   pdl_wait();
   using L = Layout<T, D>;
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
   const int64_t t = blockIdx.x;
-  const int j = blockIdx.y, z = blockIdx.z, Z = a.splits, g = a.g;
+  const int j = blockIdx.y, s = blockIdx.z, g = a.g;
   const int total = a.cu[a.B];
   int r = -1, q_len = 0, kv_len = 0, qi = 0;
   if (t < total) {
@@ -183,14 +146,9 @@ __global__ void __launch_bounds__(NT, decode_min_blocks<T, D>()) attn_decode_ker
     qi = (int)(t - a.cu[r]);
   }
   const int limit = r < 0 ? 0 : max(0, min(kv_len, kv_len - q_len + qi + 1));
-  int per, ns;
-  split_plan(limit, per, ns);
-  // direct: this block walks all of the token's splits (Z == 1) or its only one, folds them and writes the
-  // output; otherwise block z writes the partials of its contiguous share of the splits and the last block
-  // to finish folds them.
-  const bool direct = Z == 1 || ns == 1;
-  const int s_lo = direct ? 0 : (int)((int64_t)ns * z / Z), s_hi = direct ? ns : (int)((int64_t)ns * (z + 1) / Z);
-  if ((direct && z > 0) || s_lo >= s_hi) return;
+  int per = (limit + a.splits - 1) / a.splits;
+  per = (per + KC - 1) / KC * KC;
+  const int k0 = min(limit, s * per), k1 = min(limit, k0 + per);
 
   extern __shared__ float4 smem4[];
   float* qs = reinterpret_cast<float*>(smem4);
@@ -198,191 +156,177 @@ __global__ void __launch_bounds__(NT, decode_min_blocks<T, D>()) attn_decode_ker
   float* m_s = S + g * KC;
   float* l_s = m_s + g;
   float* al_s = l_s + g;
-  float* Mr_s = al_s + g;  // running max and sum over the folded splits
-  float* Lr_s = Mr_s + g;
   T* kbuf = reinterpret_cast<T*>(reinterpret_cast<char*>(smem4) + decode_kv_offset<D>(g));
   T* vbuf = kbuf + L::KV_ELEMS;
 
   const T* q = static_cast<const T*>(a.q) + (t * a.h + (int64_t)j * g) * D;
   for (int i = threadIdx.x; i < g * D; i += NT) qs[i] = to_f<T>(q[i]) * a.scale_log2;
   for (int i = threadIdx.x; i < g; i += NT) {
-    m_s[i] = Mr_s[i] = -CUDART_INF_F;
-    l_s[i] = Lr_s[i] = 0.f;
+    m_s[i] = -CUDART_INF_F;
+    l_s[i] = 0.f;
   }
   const int* btab = r < 0 ? a.block_tables : a.block_tables + (int64_t)r * a.max_blocks;
   const T* kc = static_cast<const T*>(a.kc);
   const T* vc = static_cast<const T*>(a.vc);
+  const int nchunks = k1 > k0 ? (k1 - k0 + KC - 1) / KC : 0;
+  ChunkRows<T, D> rows;  // addresses of the next chunk to issue
+  if (nchunks > 0) {
+    rows.compute(btab, a.kvh, j, a.bs, k0, k1);
+    rows.issue(kbuf, vbuf, kc, vc);
+    if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, k0 + KC, k1);
+  }
+
+  float acc[NI][2];
+#pragma unroll
+  for (int n = 0; n < NI; ++n) acc[n][0] = acc[n][1] = 0.f;
   const int P = g * KC;
   const int tpp = P >= NT ? 1 : (P * 2 == NT ? 2 : (P * 4 == NT ? 4 : 1));  // threads per (head, key) dot
   const int sub = threadIdx.x % tpp;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int items = g * D / 2;
 
-  float acc[NI][2], accr[NI][2];
-#pragma unroll
-  for (int n = 0; n < NI; ++n) acc[n][0] = acc[n][1] = accr[n][0] = accr[n][1] = 0.f;
-  const int written = s_hi - s_lo;  // partials this block writes (when not direct)
-
-  // One stream of chunks over splits [s_lo, s_hi); at each split's end the split is folded or written out.
-  if (per > 0) {
-    const int k_lo = s_lo * per, k_hi = min(limit, s_hi * per);
-    const int nchunks = (k_hi - k_lo + KC - 1) / KC;
-    ChunkRows<T, D> rows;  // addresses of the next chunk to issue
-    __syncthreads();       // q, m_s / l_s, Mr_s / Lr_s initialised
-    rows.compute(btab, a.kvh, j, a.bs, k_lo, k_hi);
-    rows.issue(kbuf, vbuf, kc, vc);
-    if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, k_lo + KC, k_hi);
-
-    for (int c = 0; c < nchunks; ++c) {
-      cp_async_wait_all();
-      __syncthreads();  // chunk c landed; every thread is done with chunk c - 1
-      const int kb = k_lo + c * KC;
-      if (c + 1 < nchunks) {
-        rows.issue(kbuf + ((c + 1) & 1) * KC * L::ROW, vbuf + ((c + 1) & 1) * KC * L::ROW, kc, vc);
-        if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * KC, k_hi);
-      }
-      const T* ks = kbuf + (c & 1) * KC * L::ROW;
-      const T* vs = vbuf + (c & 1) * KC * L::ROW;
-      // scores S[head][key] (log2 units)
-      for (int pr = threadIdx.x / tpp; pr < P; pr += NT / tpp) {
-        const int hh = pr / KC, key = pr - hh * KC;
-        const float* qv = qs + hh * D;
-        const T* kr = ks + key * L::ROW;
-        float dot = 0.f;
-        for (int v = sub; v < L::VPR; v += tpp) {
-          const Vec<T, L::VE> kv = *reinterpret_cast<const Vec<T, L::VE>*>(kr + v * L::VE);
-#pragma unroll
-          for (int e = 0; e < L::VE; ++e) dot += qv[v * L::VE + e] * to_f<T>(kv.v[e]);
-        }
-        for (int o = 1; o < tpp; o <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        if (sub == 0) S[pr] = kb + key < k_hi ? dot : -CUDART_INF_F;
-      }
-      __syncthreads();
-      // online softmax, one warp per head (KC == 32: one key per lane); a split's first chunk starts fresh
-      // and folds the previous split's (max, sum) into the running pair (its outputs were folded at its end)
-      const bool fresh = kb % per == 0;
-      for (int hh = warp; hh < g; hh += NT / 32) {
-        const float sv = S[hh * KC + lane];
-        const float m_old = fresh ? -CUDART_INF_F : m_s[hh];
-        const float m_new = fmaxf(m_old, warp_max(sv));
-        const float p = m_new == -CUDART_INF_F ? 0.f : exp2f(sv - m_new);
-        const float sum = warp_sum(p);
-        S[hh * KC + lane] = p;
-        if (lane == 0) {
-          if (fresh && direct && kb > k_lo) {
-            const Fold f(Mr_s[hh], m_s[hh]);
-            Lr_s[hh] = f(Lr_s[hh], l_s[hh]);
-            Mr_s[hh] = f.m;
-          }
-          const float al = m_new == -CUDART_INF_F ? 1.f : exp2f(m_old - m_new);
-          al_s[hh] = al;
-          l_s[hh] = (fresh ? 0.f : l_s[hh]) * al + sum;
-          m_s[hh] = m_new;
-        }
-      }
-      __syncthreads();
-      // acc = acc * alpha + P V
-#pragma unroll
-      for (int n = 0; n < NI; ++n) {
-        const int it = threadIdx.x + n * NT;
-        if (it < items) {
-          const int hh = it / (D / 2), dp = it - hh * (D / 2);
-          const float al = al_s[hh];
-          float a0 = acc[n][0] * al, a1 = acc[n][1] * al;
-          const float* pr = S + hh * KC;
-#pragma unroll 8
-          for (int k = 0; k < KC; ++k) {
-            const T* vv = vs + k * L::ROW + dp * 2;
-            const float p = pr[k];
-            a0 += p * to_f<T>(vv[0]);
-            a1 += p * to_f<T>(vv[1]);
-          }
-          acc[n][0] = a0;
-          acc[n][1] = a1;
-        }
-      }
-      // the end of a split: fold it into the running state, or write it out as a partial
-      if ((kb + KC - k_lo) % per != 0 && c + 1 < nchunks) continue;
-      const int s = kb / per;
-#pragma unroll
-      for (int n = 0; n < NI; ++n) {
-        const int it = threadIdx.x + n * NT;
-        if (it < items) {
-          const int hh = it / (D / 2), dp = it - hh * (D / 2);
-          if (direct) {
-            const Fold f(Mr_s[hh], m_s[hh]);
-            accr[n][0] = f(accr[n][0], acc[n][0]);
-            accr[n][1] = f(accr[n][1], acc[n][1]);
-          } else {
-            const int64_t base = ((int64_t)s * a.T + t) * a.h + (int64_t)j * g + hh;
-            *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(acc[n][0], acc[n][1]);
-            if (dp == 0) a.part_ml[base] = make_float2(m_s[hh], l_s[hh]);
-          }
-          acc[n][0] = acc[n][1] = 0.f;
-        }
-      }
+  for (int c = 0; c < nchunks; ++c) {
+    cp_async_wait_all();
+    __syncthreads();  // chunk c landed; every thread is done with chunk c - 1
+    const int kb = k0 + c * KC;
+    if (c + 1 < nchunks) {
+      rows.issue(kbuf + ((c + 1) & 1) * KC * L::ROW, vbuf + ((c + 1) & 1) * KC * L::ROW, kc, vc);
+      if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * KC, k1);
     }
-  }
-  __syncthreads();  // every thread is done with the last split's m_s / Mr_s
-  if (direct) {
-    for (int hh = threadIdx.x; per > 0 && hh < g; hh += NT) {  // the last split's (max, sum)
-      const Fold f(Mr_s[hh], m_s[hh]);
-      Lr_s[hh] = f(Lr_s[hh], l_s[hh]);
-      Mr_s[hh] = f.m;
+    const T* ks = kbuf + (c & 1) * KC * L::ROW;
+    const T* vs = vbuf + (c & 1) * KC * L::ROW;
+    // scores S[head][key] (log2 units)
+    for (int pr = threadIdx.x / tpp; pr < P; pr += NT / tpp) {
+      const int hh = pr / KC, key = pr - hh * KC;
+      const float* qv = qs + hh * D;
+      const T* kr = ks + key * L::ROW;
+      float dot = 0.f;
+      for (int v = sub; v < L::VPR; v += tpp) {
+        const Vec<T, L::VE> kv = *reinterpret_cast<const Vec<T, L::VE>*>(kr + v * L::VE);
+#pragma unroll
+        for (int e = 0; e < L::VE; ++e) dot += qv[v * L::VE + e] * to_f<T>(kv.v[e]);
+      }
+      for (int o = 1; o < tpp; o <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (sub == 0) S[pr] = kb + key < k1 ? dot : -CUDART_INF_F;
     }
     __syncthreads();
+    // online softmax, one warp per head (KC == 32: one key per lane)
+    for (int hh = warp; hh < g; hh += NT / 32) {
+      const float sv = S[hh * KC + lane];
+      const float m_old = m_s[hh];
+      const float m_new = fmaxf(m_old, warp_max(sv));
+      const float p = m_new == -CUDART_INF_F ? 0.f : exp2f(sv - m_new);
+      const float sum = warp_sum(p);
+      S[hh * KC + lane] = p;
+      if (lane == 0) {
+        const float al = m_new == -CUDART_INF_F ? 1.f : exp2f(m_old - m_new);
+        al_s[hh] = al;
+        l_s[hh] = l_s[hh] * al + sum;
+        m_s[hh] = m_new;
+      }
+    }
+    __syncthreads();
+    // acc = acc * alpha + P V
 #pragma unroll
     for (int n = 0; n < NI; ++n) {
       const int it = threadIdx.x + n * NT;
       if (it < items) {
         const int hh = it / (D / 2), dp = it - hh * (D / 2);
-        const float l = Lr_s[hh];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        T* o = static_cast<T*>(a.out) + (t * a.h + (int64_t)j * g + hh) * D + dp * 2;
-        o[0] = from_f<T>(accr[n][0] * inv);
-        o[1] = from_f<T>(accr[n][1] * inv);
+        const float al = al_s[hh];
+        float a0 = acc[n][0] * al, a1 = acc[n][1] * al;
+        const float* pr = S + hh * KC;
+#pragma unroll 8
+        for (int k = 0; k < KC; ++k) {
+          const T* vv = vs + k * L::ROW + dp * 2;
+          const float p = pr[k];
+          a0 += p * to_f<T>(vv[0]);
+          a1 += p * to_f<T>(vv[1]);
+        }
+        acc[n][0] = a0;
+        acc[n][1] = a1;
       }
     }
-    return;
   }
-
-  // The last block of (t, j) to get here folds the ns partials in split order; it also resets the counter.
-  __shared__ int is_last;
-  __threadfence();  // this block's partials are visible before the count says so
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* cnt = a.counters + t * a.kvh + j;
-    is_last = atomicAdd(cnt, written) + written == ns;
-    if (is_last) *cnt = 0;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  __syncthreads();  // m_s / l_s final (nchunks may be 0)
 #pragma unroll
   for (int n = 0; n < NI; ++n) {
     const int it = threadIdx.x + n * NT;
     if (it < items) {
       const int hh = it / (D / 2), dp = it - hh * (D / 2);
       const int64_t head = (int64_t)j * g + hh;
-      float M = -CUDART_INF_F, Lsum = 0.f, o0 = 0.f, o1 = 0.f;
-      for (int s = 0; s < ns; ++s) {
+      if (a.splits == 1) {
+        const float l = l_s[hh];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        T* o = static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2;
+        o[0] = from_f<T>(acc[n][0] * inv);
+        o[1] = from_f<T>(acc[n][1] * inv);
+      } else {
         const int64_t base = ((int64_t)s * a.T + t) * a.h + head;
-        const float2 ml = __ldcg(a.part_ml + base);
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(a.part_o + base * D) + dp);
-        const Fold f(M, ml.x);
-        o0 = f(o0, v.x);
-        o1 = f(o1, v.y);
-        Lsum = f(Lsum, ml.y);
-        M = f.m;
+        *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(acc[n][0], acc[n][1]);
+        if (dp == 0) a.part_ml[base] = make_float2(m_s[hh], l_s[hh]);
       }
-      const float inv = Lsum > 0.f ? 1.f / Lsum : 0.f;
+    }
+  }
+  if (a.splits == 1) return;
+
+  // The last block of (t, j) to get here merges the splits:
+  // out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the counter for the next call.
+  __shared__ int is_last;
+  __threadfence();  // this block's partials are visible before the count says so
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* c = a.counters + t * a.kvh + j;
+    is_last = atomicAdd(c, 1) == a.splits - 1;
+    if (is_last) *c = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  float* w_s = reinterpret_cast<float*>(kbuf);  // [g][splits] weights (the K/V buffers are free now)
+  for (int hh = warp; hh < g; hh += NT / 32) {
+    const int64_t head = (int64_t)j * g + hh;
+    float m[2], l[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int sp = lane + 32 * u;
+      const float2 ml = sp < a.splits ? __ldcg(a.part_ml + ((int64_t)sp * a.T + t) * a.h + head)
+                                      : make_float2(-CUDART_INF_F, 0.f);
+      m[u] = ml.x;
+      l[u] = ml.y;
+    }
+    const float M = warp_max(fmaxf(m[0], m[1]));
+    float L = 0.f;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int sp = lane + 32 * u;
+      const float w = M == -CUDART_INF_F ? 0.f : exp2f(m[u] - M);  // 0 for empty splits (m = -inf)
+      if (sp < a.splits) w_s[hh * a.splits + sp] = w;
+      L += l[u] * w;
+    }
+    L = warp_sum(L);
+    if (lane == 0) al_s[hh] = L > 0.f ? 1.f / L : 0.f;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < NI; ++n) {
+    const int it = threadIdx.x + n * NT;
+    if (it < items) {
+      const int hh = it / (D / 2), dp = it - hh * (D / 2);
+      const int64_t head = (int64_t)j * g + hh;
+      float o0 = 0.f, o1 = 0.f;
+      for (int sp = 0; sp < a.splits; ++sp) {
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(a.part_o + (((int64_t)sp * a.T + t) * a.h + head) * D) + dp);
+        const float w = w_s[hh * a.splits + sp];
+        o0 += v.x * w;
+        o1 += v.y * w;
+      }
+      const float inv = al_s[hh];
       T* o = static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2;
       o[0] = from_f<T>(o0 * inv);
       o[1] = from_f<T>(o1 * inv);
     }
   }
 }
-
 
 // ------------------------------------------------------------------ tile kernel
 template <typename T, int D>
@@ -648,9 +592,8 @@ using namespace fdl;
 // fdl_paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len,
 //                     num_splits) -> out [T, h * d]
 // max_q_len: an upper bound on any row's q_len known to the caller (1 for decode-only graphs: the
-// tile kernel is then not launched); 0 = unknown. num_splits: blocks per (token, KV head) of the
-// per-token kernel (1 = one block walks all splits), 0 = chosen from the shapes (T, kv heads,
-// max_blocks * block_size) and the SM count; it never changes the result.
+// tile kernel is then not launched); 0 = unknown. num_splits: KV splits of the per-token kernel,
+// 0 = chosen from the shapes (T, kv heads, max_blocks * block_size) and the SM count.
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& seq_lens, const paddle::Tensor& cu_seqlens,
@@ -674,19 +617,14 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const int B = (int)block_tables.shape()[0], max_blocks = (int)block_tables.shape()[1];
   PD_CHECK(seq_lens.numel() == B && cu_seqlens.numel() == B + 1, op, ": seq_lens_kv [B] and cu_seqlens_q [B + 1]");
 
-  // Blocks per (token, KV head): 1 walks all of a token's splits in one block; Z > 1 spreads them over Z
-  // blocks (more parallel streams for small batches) and merges in the last one. Either way a row's
-  // splits and their merge order come from its own length only (split_plan), so the choice changes
-  // the speed, never the result.
-  const int zs = (int)std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, kSplitMin)));
   int splits = num_splits;
   if (splits <= 0) {
     const int64_t work = T * kvh, target = 2 * (int64_t)num_sms();
-    splits = work >= target ? 1 : (int)std::min<int64_t>(zs, ceil_div(target, std::max<int64_t>(work, 1)));
-    if ((int64_t)zs * T * h * (d + 2) * 4 > (int64_t(64) << 20)) splits = 1;  // partials' workspace
+    const int64_t by_ctx = std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC));
+    splits = (int)std::min<int64_t>({work >= target ? 1 : ceil_div(target, std::max<int64_t>(work, 1)), by_ctx, 32});
   }
-  splits = std::max(1, std::min(splits, zs));
-  if (splits > 1 && T * kvh > kMaxCounters) splits = 1;
+  splits = std::max(1, std::min(splits, 64));
+  if (splits > 1 && T * kvh > kMaxCounters) splits = 1;  // (the automatic choice splits only small batches)
   paddle::Tensor out = paddle::empty({T, (int64_t)h * d}, q.dtype(), q.place());
   paddle::Tensor ws;
   Args a{};
@@ -708,10 +646,10 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   a.scale_log2 = scale * 1.4426950408889634f;
   a.counters = split_counters(stream_of(q));
   if (splits > 1 && T > 0) {
-    // [zs, T, h, d] partial outputs (slot = split index), then [zs, T, h] (max, sum) pairs
-    ws = paddle::empty({(int64_t)zs * T * h * (d + 2)}, paddle::DataType::FLOAT32, q.place());
+    // [splits, T, h, d] partial outputs, then [splits, T, h] (max, sum) pairs
+    ws = paddle::empty({(int64_t)splits * T * h * (d + 2)}, paddle::DataType::FLOAT32, q.place());
     a.part_o = static_cast<float*>(ws.data());
-    a.part_ml = reinterpret_cast<float2*>(a.part_o + (int64_t)zs * T * h * d);
+    a.part_ml = reinterpret_cast<float2*>(a.part_o + (int64_t)splits * T * h * d);
   }
   const bool tiles = (max_q_len <= 0 ? T : max_q_len) > kDecodeMaxQ && B > 0;
   cudaStream_t s = stream_of(q);
