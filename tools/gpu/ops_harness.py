@@ -40,6 +40,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_ops_out"))
 ap.add_argument("--quick", action="store_true", help="fewer shapes, no long contexts")
 ap.add_argument("--no-bench", action="store_true")
+ap.add_argument("--only", default="", help="comma-separated benchmark names: skip the checks, run only these")
 ap.add_argument("--lib", default=None, help="prebuilt library (default: build into the cache)")
 ARGS = ap.parse_args()
 os.makedirs(ARGS.out, exist_ok=True)
@@ -58,6 +59,8 @@ def save():
 
 def check(name, fn):
     """fn() -> (ok: bool, err: float, tol: float, detail: str)."""
+    if ARGS.only:
+        return True
     t = time.time()
     try:
         ok, err, tol, detail = fn()
@@ -1129,11 +1132,12 @@ if not ARGS.no_bench:
     B_ = RES["bench"]
     HBM = 3.0e12
 
-    def bench_attn_decode():
+    def bench_attn_decode(batches=(1, 16, 64, 128, 256), splits_list=(0,)):
+        """Decode attention GB/s against the KV bytes read; splits_list: num_splits values (0 = automatic)."""
         out = []
         h, kvh, d, bs = 16, 8, 128, 64
         for ctx in (512, 2048, 4096):
-            for B in (1, 16, 64, 128, 256):
+            for B in batches:
                 nbr = ctx // bs
                 ws = B * ctx * kvh * d * 2 * 2
                 sets = max(1, min(8, math.ceil(256e6 / ws)))  # rotate past the 50 MB L2
@@ -1143,23 +1147,26 @@ if not ARGS.no_bench:
                 G.fill_(kc, 0.01)
                 G.fill_(vc, 0.02)
                 perm = rng.permutation(nb).astype(np.int32)
-                width = max(nbr, 4096 // bs)  # the engine's tables are max_model_len wide (the split plan sees it)
+                width = max(nbr, 4096 // bs)  # the engine's tables are max_model_len wide (the split choice sees it)
                 bts = [to_gpu(np.pad(perm[i * B * nbr:(i + 1) * B * nbr].reshape(B, nbr), ((0, 0), (0, width - nbr))),
                               "int32") for i in range(sets)]
                 seq = to_gpu(np.full(B, ctx, np.int32), "int32")
                 cu = to_gpu(np.arange(B + 1, dtype=np.int32), "int32")
                 qg = to_gpu(rng.standard_normal((B, h, d)), "bfloat16")
-                i = [0]
+                for splits in splits_list:
+                    i = [0]
 
-                def fn():
-                    G.paged_attention(qg, kc, vc, bts[i[0] % sets], seq, cu, d ** -0.5, 1, 0)
-                    i[0] += 1
-                us = graph_time_us(fn, per_graph=8 * sets if sets < 4 else sets * 2, replays=5)
-                gbs = ws / (us * 1e-6) / 1e9
-                row = {"batch": B, "ctx": ctx, "us": round(us, 2), "kv_MB": round(ws / 1e6, 2), "GB_s": round(gbs),
-                       "roofline_us": round(ws / HBM * 1e6, 2), "frac_of_3TBs": round(gbs * 1e9 / HBM, 3)}
-                out.append(row)
-                log(f"  decode attn B={B:4d} ctx={ctx:5d}: {us:9.2f} us  {gbs:7.0f} GB/s  (roofline {row['roofline_us']} us)")
+                    def fn():
+                        G.paged_attention(qg, kc, vc, bts[i[0] % sets], seq, cu, d ** -0.5, 1, splits)
+                        i[0] += 1
+                    us = graph_time_us(fn, per_graph=8 * sets if sets < 4 else sets * 2, replays=5)
+                    gbs = ws / (us * 1e-6) / 1e9
+                    row = {"batch": B, "ctx": ctx, "num_splits": splits, "us": round(us, 2), "kv_MB": round(ws / 1e6, 2),
+                           "GB_s": round(gbs), "roofline_us": round(ws / HBM * 1e6, 2),
+                           "frac_of_3TBs": round(gbs * 1e9 / HBM, 3)}
+                    out.append(row)
+                    log(f"  decode attn B={B:4d} ctx={ctx:5d} splits={splits or 'auto'}: {us:9.2f} us  {gbs:7.0f} GB/s  "
+                        f"({row['frac_of_3TBs']:.0%} of 3.0 TB/s)")
                 del kc, vc
         return out
 
@@ -1309,9 +1316,13 @@ if not ARGS.no_bench:
                 "fused_add_rms_norm_ eager wall us/call": round(eager_us(lambda: G.fused_add_rms_norm_(x, r, w, 1e-6)), 1),
                 "rms_norm graph replay us/call": round(graph_time_us(lambda: G.rms_norm(x, w, 1e-6), 200, 5), 2)}
 
-    for name, fn in (("attention_decode", bench_attn_decode), ("attention_prefill", bench_attn_prefill),
-                     ("gemm", bench_gemm), ("elementwise", bench_small), ("sampling", bench_sampling),
-                     ("host_overhead", bench_host)):
+    benches = (("attention_decode", bench_attn_decode), ("attention_prefill", bench_attn_prefill),
+               ("attention_decode_splits", lambda: bench_attn_decode((64, 128, 192, 256), (0, 1, 2, 3, 4, 5, 6, 8))),
+               ("gemm", bench_gemm), ("elementwise", bench_small), ("sampling", bench_sampling),
+               ("host_overhead", bench_host))
+    for name, fn in benches:
+        if (ARGS.only and name not in ARGS.only.split(",")) or (not ARGS.only and name == "attention_decode_splits"):
+            continue
         try:
             B_[name] = fn()
         except Exception as e:  # noqa: BLE001

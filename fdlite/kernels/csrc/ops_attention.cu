@@ -544,6 +544,40 @@ void set_smem(K kernel, size_t bytes) {
                    "fdl_paged_attention: cudaFuncSetAttribute");
 }
 
+// Blocks of the per-token kernel resident on one SM for this dtype, head_dim and g (cached).
+template <typename T, int D>
+int decode_blocks_per_sm(int g) {
+  static int cache[MAXG + 1] = {};
+  int& v = cache[g];
+  if (v == 0) {
+    set_smem(attn_decode_kernel<T, D>, decode_smem<T, D>(MAXG));
+    int n = 0;
+    FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, D>, NT, decode_smem<T, D>(g)),
+                   "fdl_paged_attention: occupancy query");
+    v = std::max(1, n);
+  }
+  return v;
+}
+
+// KV splits of the per-token kernel for `work` (token, KV head) pairs. Below 2 blocks per SM, splits fill
+// the GPU. Above, the count whose rounds of resident blocks waste least: `slots` blocks run at once, so
+// work x s blocks take ceil(work x s / slots) rounds of 1/s of the context each (1,024 pairs over 792 slots,
+// batch 128 on the H100: 2 rounds unsplit, 4 rounds of a third with 3 splits); 3% per split for the merge.
+int choose_splits(int64_t work, int64_t by_ctx, int64_t slots) {
+  const int64_t target = 2 * (int64_t)num_sms();
+  if (work < target) return (int)std::min<int64_t>({ceil_div(target, std::max<int64_t>(work, 1)), by_ctx, 32});
+  int best = 1;
+  double best_cost = (double)ceil_div(work, slots);
+  for (int s = 2; s <= std::min<int64_t>(8, by_ctx) && work * s <= kMaxCounters; ++s) {
+    const double cost = (double)ceil_div(work * s, slots) / s * 1.03;
+    if (cost < best_cost) {
+      best = s;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
 template <typename T, int D>
 void launch_attention(Args a, bool tiles, cudaStream_t s) {
   if (a.T == 0) return;
@@ -593,7 +627,7 @@ using namespace fdl;
 //                     num_splits) -> out [T, h * d]
 // max_q_len: an upper bound on any row's q_len known to the caller (1 for decode-only graphs: the
 // tile kernel is then not launched); 0 = unknown. num_splits: KV splits of the per-token kernel,
-// 0 = chosen from the shapes (T, kv heads, max_blocks * block_size) and the SM count.
+// 0 = chosen from the shapes (T, kv heads, max_blocks * block_size) and the SMs' room (choose_splits).
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& seq_lens, const paddle::Tensor& cu_seqlens,
@@ -619,12 +653,20 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
 
   int splits = num_splits;
   if (splits <= 0) {
-    const int64_t work = T * kvh, target = 2 * (int64_t)num_sms();
-    const int64_t by_ctx = std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC));
-    splits = (int)std::min<int64_t>({work >= target ? 1 : ceil_div(target, std::max<int64_t>(work, 1)), by_ctx, 32});
+    int per_sm = 1;
+    FDL_FLOAT_SWITCH(q.dtype(), T_, op, {
+      switch (d) {
+        case 64: per_sm = decode_blocks_per_sm<T_, 64>(g); break;
+        case 128: per_sm = decode_blocks_per_sm<T_, 128>(g); break;
+        case 256: per_sm = decode_blocks_per_sm<T_, 256>(g); break;
+        default: PD_THROW(op, ": head_dim must be 64, 128 or 256");
+      }
+    });
+    splits = choose_splits(T * kvh, std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC)),
+                           (int64_t)per_sm * num_sms());
   }
   splits = std::max(1, std::min(splits, 64));
-  if (splits > 1 && T * kvh > kMaxCounters) splits = 1;  // (the automatic choice splits only small batches)
+  if (splits > 1 && T * kvh > kMaxCounters) splits = 1;
   paddle::Tensor out = paddle::empty({T, (int64_t)h * d}, q.dtype(), q.place());
   paddle::Tensor ws;
   Args a{};
