@@ -207,3 +207,33 @@ def test_gpu_ops_take_their_switches_from_python():
     assert exported["fdl_set_options"] == ["int pdl", " int gemv", " int attn_mma"]
     version = re.search(r"fdl_ops_abi_version\(void\)\s*\{\s*return (\d+);", text).group(1)
     assert int(version) == gpu.ABI_VERSION
+
+
+def test_gpu_switches_reach_the_library_in_order(monkeypatch):
+    """`gpu.set_options` hands (pdl, gemv, attn_mma) to fdl_set_options in that order, None keeping the value from
+    the environment; a pdl the library refuses is an error naming it."""
+    from fdlite.kernels import gpu
+
+    calls = []
+
+    class FakeCapi:
+        def fdl_set_options(self, pdl, gemv, attn_mma):
+            calls.append((pdl, gemv, attn_mma))
+            return 0 if 0 <= pdl <= 2 else 1
+
+    monkeypatch.setenv("FDLITE_PDL", "1")
+    monkeypatch.setenv("FDLITE_GEMV", "0")
+    monkeypatch.setenv("FDLITE_ATTN_MMA", "1")
+    envs.refresh()
+    monkeypatch.setitem(gpu._state, "path", "fake")
+    monkeypatch.setitem(gpu._state, "capi", FakeCapi())
+    try:
+        gpu.set_options(attn_mma=False)
+        gpu.set_options()
+        gpu.set_options(pdl=0, gemv=True)
+        assert calls == [(1, 0, 0), (1, 0, 1), (0, 1, 1)]
+        with pytest.raises(gpu.GpuOpsError, match="pdl=5"):
+            gpu.set_options(pdl=5)
+    finally:
+        monkeypatch.undo()
+        envs.refresh()

@@ -560,6 +560,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "attn-mma-switch-swapped",
+        "gpu.set_options hands the ops library gemv and attn_mma in each other's place",
+        (Edit("fdlite/kernels/gpu.py",
+              "    vals = (envs.FDLITE_PDL if pdl is None else pdl, int(envs.FDLITE_GEMV if gemv is None else gemv),\n"
+              "            int(envs.FDLITE_ATTN_MMA if attn_mma is None else attn_mma))\n",
+              "    vals = (envs.FDLITE_PDL if pdl is None else pdl, int(envs.FDLITE_ATTN_MMA if attn_mma is None else attn_mma),\n"
+              "            int(envs.FDLITE_GEMV if gemv is None else gemv))  # MUTATION\n"),),
+        ("tests/test_envs.py::test_gpu_switches_reach_the_library_in_order",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)
