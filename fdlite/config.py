@@ -152,9 +152,11 @@ class EngineConfig:
         True, "Split a prompt longer than the step's remaining token budget across steps, so decodes keep running. "
         "On by default, as in vLLM (FastDeploy: off); outputs are the same either way."
     )
-    async_scheduling: bool = _opt(
-        False, "Overlap the host work of the next step (scheduling, inputs) with the model's forward of this one "
-        "(vLLM's name). Sequences that finish in a step still take part in the next; outputs are the same either way."
+    async_scheduling: bool | None = _opt(
+        None, "Overlap the host work of the next step (scheduling, inputs) with the model's forward of this one "
+        "(vLLM's name). Sequences that finish in a step still take part in the next; outputs are the same either way. "
+        "None: on for a GPU, where the host work hides behind the device's forward (H100, batch 1: 1.05 vs 1.33 ms "
+        "a token), off on CPU, where both share the cores."
     )
     max_num_partial_prefills: int = _opt(
         1, "With chunked prefill: most prompts whose prefill spans steps at once; above 1, each prefill's chunk "
@@ -195,9 +197,11 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be an int in [0, 20], got {self.max_logprobs!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
@@ -251,6 +255,12 @@ class EngineConfig:
             setattr(self, name, None)
         self.max_model_len = max_model_len
         self.__post_init__()
+
+    def resolve_device(self, device: str) -> None:
+        """Fill in the options whose default depends on the device the model runs on ("cpu" or "gpu"): an unset
+        `async_scheduling` is on for a GPU. In place, once the runner has picked its device."""
+        if self.async_scheduling is None:
+            self.async_scheduling = device == "gpu"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

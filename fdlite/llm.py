@@ -97,6 +97,7 @@ class LLM:
             self.reasoning_parser = make_reasoning_parser(self.config.reasoning_parser, self.tokenizer)
             self.runner = ModelRunner(self.config, self.model_path, self.model_config)
         logger.info("device: %s (%s)", self.runner.device, self.runner.dtype)
+        self.config.resolve_device(self.runner.device)
         try:
             self._start(length)
         except BaseException:

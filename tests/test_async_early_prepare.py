@@ -45,7 +45,7 @@ def _cumlp(outs):
 
 
 def _compare(path, prompts, params, **kw):
-    want = LLM(path, **COMMON, **kw).generate(prompts, params, use_tqdm=False)
+    want = LLM(path, async_scheduling=False, **COMMON, **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(path, async_scheduling=True, **COMMON, **kw)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert _view(got) == _view(want)

@@ -142,7 +142,8 @@ def test_emulated_gpu_graphs_replay_padded_batches(model_dirs, monkeypatch):
     monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
     want = LLM(model_dirs["qwen3"], device="cpu", use_cudagraph=False, **COMMON).generate(prompts(), GREEDY, use_tqdm=False)
     calls = _emulate_gpu(monkeypatch)
-    llm = LLM(model_dirs["qwen3"], use_cudagraph=True, **COMMON)
+    # synchronous steps: async scheduling may prepare one step more than it runs (covered in test_async_early_prepare)
+    llm = LLM(model_dirs["qwen3"], use_cudagraph=True, async_scheduling=False, **COMMON)
     before = calls["copy_from_host_many"], calls["copy_from_host"]
     got = llm.generate(prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
@@ -249,10 +250,32 @@ def test_emulated_gpu_sampler_applies_grammar_masks_on_the_device(monkeypatch):
     ps = ["one", "two", "three", "four"]
     want = LLM(device="cpu", **common).generate(ps, params, use_tqdm=False)
     calls = _emulate_gpu(monkeypatch)
-    got = LLM(**common).generate(ps, params, use_tqdm=False)
+    got = LLM(**common, async_scheduling=True).generate(ps, params, use_tqdm=False)  # (the GPU default)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    calls.clear()
+    # synchronous steps, to count gathers: async scheduling adds its token patch's
+    got = LLM(**common, async_scheduling=False).generate(ps, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert want[0].outputs[0].text[:4] and want[2].outputs[0].text in ("up", "down")
     assert want[3].outputs[0].text in ("up", "down") and want[3].outputs[0].finish_reason == "stop"
     assert calls["apply_bitmask_"] > 0 and calls["copy_from_host"] == 0
     # The embedding's and the LM head's own gathers only: no logits to the host.
     assert calls["gather_rows"] == calls["lm_head_logits"] + calls["embedding"]
+
+
+def test_async_scheduling_defaults_on_for_a_gpu_and_off_on_cpu(model_dirs, monkeypatch):
+    """Unset, `async_scheduling` follows the device: on for a GPU (the host work hides behind the device's
+    forward), off on CPU; an explicit value is kept on either. The GPU default gives the CPU's tokens."""
+    cpu = LLM(model_dirs["qwen3"], device="cpu", **COMMON)
+    assert cpu.config.async_scheduling is False
+    want = cpu.generate(prompts(), GREEDY, use_tqdm=False)
+    assert LLM(model_dirs["qwen3"], device="cpu", async_scheduling=True, **COMMON).config.async_scheduling is True
+    _emulate_gpu(monkeypatch)
+    gpu = LLM(model_dirs["qwen3"], **COMMON)
+    assert gpu.config.async_scheduling is True
+    got = gpu.generate(prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert gpu.engine.num_early_prepares > 0
+    assert LLM(model_dirs["qwen3"], async_scheduling=False, **COMMON).config.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling must be a bool or None"):
+        LLM(model_dirs["qwen3"], async_scheduling="yes", **COMMON)

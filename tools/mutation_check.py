@@ -571,6 +571,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "async-default-on-cpu",
+        "An unset async_scheduling turns on for CPU and stays off on a GPU",
+        (Edit("fdlite/config.py",
+              "            self.async_scheduling = device == \"gpu\"\n",
+              "            self.async_scheduling = device == \"cpu\"  # MUTATION\n"),),
+        ("tests/test_gpu_path_cpu.py::test_async_scheduling_defaults_on_for_a_gpu_and_off_on_cpu",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)
