@@ -136,6 +136,11 @@ class EngineConfig:
         "FastDeploy, capped at max_num_seqs * max_model_len and at least max_num_seqs; without: max_model_len)."
     )
     block_size: int = _opt(64, "Tokens per KV-cache block.")
+    kv_cache_dtype: str = _opt(
+        "auto", "KV-cache element type: auto (the model's dtype) or fp8 (e4m3 with a float32 scale per token and KV "
+        "head, taken when the token is written: about 2x the blocks of a bf16 cache). vLLM's name; fp8_e4m3 and "
+        "FastDeploy's kv_cache_quant_type value float8_e4m3fn mean fp8. CPU only for now."
+    )
     gpu_memory_utilization: float = _opt(0.9, "Share of GPU memory fdlite may use (weights, activations, KV cache, graphs).")
     num_gpu_blocks_override: int | None = _opt(None, "Use exactly this many KV-cache blocks instead of profiling.")
     kv_cache_memory_bytes: int | None = _opt(None, "KV-cache byte budget on CPU (default 1 GiB); on GPU profiling sizes the cache.")
@@ -209,6 +214,10 @@ class EngineConfig:
         self.device = parse_device(self.device)
         if self.reasoning_parser is not None and self.reasoning_parser not in ("qwen3", "ernie45"):
             raise ValueError(f"reasoning_parser must be qwen3, ernie45 or None, got {self.reasoning_parser!r}")
+        kv = self.kv_cache_dtype.lower() if isinstance(self.kv_cache_dtype, str) else self.kv_cache_dtype
+        if kv not in ("auto", "fp8", "fp8_e4m3", "float8_e4m3fn"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8 (fp8_e4m3, float8_e4m3fn), got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = "auto" if kv == "auto" else "fp8"
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         # Options left unset and filled in here; `resolve_max_model_len` fills them in again.

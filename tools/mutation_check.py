@@ -580,6 +580,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "fp8-kv-scale-dropped",
+        "The FP8 KV cache reads its e4m3 values without their per-token scale",
+        (Edit("fdlite/kvcache/fp8_cache.py",
+              "        return bits.view(paddle.float8_e4m3fn).astype(\"float32\") * scale.unsqueeze(-1)\n",
+              "        return bits.view(paddle.float8_e4m3fn).astype(\"float32\")  # MUTATION\n"),),
+        ("tests/test_fp8_kv_cache.py",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)

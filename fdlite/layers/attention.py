@@ -32,6 +32,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fdlite.kernels import cpu_attention
+from fdlite.kvcache.fp8_cache import Fp8Cache
 from fdlite.layers.forward_meta import ForwardMeta
 
 
@@ -61,6 +62,8 @@ def _rows(blocks: paddle.Tensor, kvh: int, block_size: int) -> paddle.Tensor:
 
 def _take_rows(cache: paddle.Tensor, rows: paddle.Tensor) -> paddle.Tensor:
     """cache viewed as [-1, head_dim], rows `rows` (int64, on the host) -> [len(rows), head_dim]."""
+    if isinstance(cache, Fp8Cache):
+        return cache.read(rows)  # float32
     d = cache.shape[-1]
     if cache.dtype not in (paddle.float32, paddle.float16) or not cache.place.is_cpu_place():
         return paddle.gather(cache.reshape([-1, d]), rows)  # numpy has no bfloat16
@@ -85,6 +88,9 @@ def write_kv(cache: paddle.Tensor, meta: ForwardMeta, values: paddle.Tensor) -> 
         return ((slots // bs * kvh + heads) * bs + slots % bs).flatten()  # [T * kvh], (token, head) order
 
     rows = _memo(meta, ("write", kvh), make)
+    if isinstance(cache, Fp8Cache):
+        cache.write(rows, values.reshape([t * kvh, d]))
+        return
     paddle.scatter_(cache.reshape([-1, d]), rows, values.reshape([t * kvh, d]).astype(cache.dtype), overwrite=True)
 
 

@@ -82,6 +82,10 @@ class ModelRunner:
             # sample from garbage.
             raise ValueError("tensor_parallel_size > 1 is not available on fdlite's GPU path yet (the logits' "
                              "vocabulary all-gather has no fdlite kernel); use tensor_parallel_size=1 on GPU")
+        if self.device == "gpu" and config.kv_cache_dtype == "fp8":
+            # The GPU cache-write and attention kernels read and write the model's dtype only (issue 25).
+            raise ValueError("kv_cache_dtype='fp8' is not available on fdlite's GPU path yet (its kernels read the "
+                             "model's dtype); use kv_cache_dtype='auto' on GPU")
         TPPartition.of(model_config, 0, tp_size)  # a model that cannot be split fails before any process waits
         self.parallel = init_tensor_parallel(tp_size, self.device, config.data_parallel_size)
         self.comm = Communicator(self.parallel, self.device, config.enable_custom_all_reduce)
@@ -140,7 +144,8 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         c = self.model_config
-        return bytes_per_block(c.num_hidden_layers, self.config.block_size, self.tp.num_kv_heads, c.head_dim, self.dtype)
+        return bytes_per_block(c.num_hidden_layers, self.config.block_size, self.tp.num_kv_heads, c.head_dim, self.dtype,
+                               self.config.kv_cache_dtype)
 
     def profile_run(self) -> MemoryProfile | None:
         """docs/design.md, "Startup order" step 2: an eager dummy prefill with a temporary cache.
@@ -161,7 +166,8 @@ class ModelRunner:
         tokens = sum(lengths)
         temp_blocks = sum(blocks_for(n, self.config.block_size) for n in lengths)
         self.kv_cache = KVCache.allocate(temp_blocks, self.config.block_size, self.model_config.num_hidden_layers,
-                                         self.tp.num_kv_heads, self.model_config.head_dim, self.dtype)
+                                         self.tp.num_kv_heads, self.model_config.head_dim, self.dtype,
+                                         self.config.kv_cache_dtype)
         temp_bytes = temp_blocks * self.bytes_per_block
         with_cache = device_memory()
         # MoE layers route the dummy tokens round-robin to every expert: the peak is all experts' work.
@@ -234,7 +240,7 @@ class ModelRunner:
             )
         c = self.model_config
         self.kv_cache = KVCache.allocate(num_blocks, self.config.block_size, c.num_hidden_layers,
-                                         self.tp.num_kv_heads, c.head_dim, self.dtype)
+                                         self.tp.num_kv_heads, c.head_dim, self.dtype, self.config.kv_cache_dtype)
         return self.kv_cache
 
     # ---- graph optimization ------------------------------------------------------------
