@@ -35,8 +35,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=None, help="query heads (KV heads: a quarter)")
     ap.add_argument("--prompts", type=int, default=8)
     args = ap.parse_args()
-    import torch
-    from hf_models import load_reference, write_random_model
+    from hf_models import prompt_logprob_errors, write_random_model
 
     print(f"# fp8 KV quality, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
           f"command: python benchmarks/fp8_kv_quality.py {' '.join(sys.argv[1:])}")
@@ -65,16 +64,7 @@ def main() -> None:
             outs = fp8.generate(ps, lp, use_tqdm=False)
             ga, gf = auto.generate(ps, greedy, use_tqdm=False), fp8.generate(ps, greedy, use_tqdm=False)
             same = sum(x == y for a, b in zip(ga, gf) for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids))
-            model = load_reference(path)
-            bf16 = load_reference(path).to(torch.bfloat16)
-            ours, theirs = [], []
-            for p, o in zip(prompts, outs):
-                with torch.no_grad():
-                    ids = torch.tensor([p])
-                    ref = torch.log_softmax(model(ids).logits[0].double(), -1).numpy()
-                    half = torch.log_softmax(bf16(ids).logits[0].double(), -1).numpy()
-                ours += [abs(o.prompt_logprobs[i][p[i]].logprob - ref[i - 1, p[i]]) for i in range(1, len(p))]
-                theirs += [abs(half[i - 1, p[i]] - ref[i - 1, p[i]]) for i in range(1, len(p))]
+            ours, theirs = prompt_logprob_errors(path, prompts, [o.prompt_logprobs for o in outs])
             hd = fp8.model_config.head_dim
             print(f"| {fam} | {hd} | {max(ours):.4f} / {np.mean(ours):.4f} | {max(theirs):.4f} / {np.mean(theirs):.4f} "
                   f"| {max(ours) / max(theirs):.1f} | {same} / {32 * len(prompts)} | {fp8.num_blocks} vs "

@@ -89,6 +89,21 @@ def reference_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> li
 
 
 @torch.no_grad()
+def prompt_logprob_errors(path: str, prompts: list[list[int]], prompt_logprobs: list) -> tuple[list[float], list[float]]:
+    """Per prompt token after the first: |fdlite's logprob (a RequestOutput's `prompt_logprobs`) - transformers
+    fp32's| and |transformers bf16's - fp32's|, over all prompts (fp32 and bf16 copies of the model at `path`)."""
+    model, half = load_reference(path), load_reference(path).to(torch.bfloat16)
+    ours, theirs = [], []
+    for p, got in zip(prompts, prompt_logprobs):
+        ids = torch.tensor([p])
+        ref = torch.log_softmax(model(ids).logits[0].double(), -1).numpy()
+        low = torch.log_softmax(half(ids).logits[0].double(), -1).numpy()
+        ours += [abs(got[i][p[i]].logprob - ref[i - 1, p[i]]) for i in range(1, len(p))]
+        theirs += [abs(low[i - 1, p[i]] - ref[i - 1, p[i]]) for i in range(1, len(p))]
+    return ours, theirs
+
+
+@torch.no_grad()
 def reference_last_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0, -1].float()
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
-import torch
 
 import gpu_emulator
 from fdlite import LLM, SamplingParams
 from fdlite.config import EngineConfig
 from fdlite.kvcache.cache_tensors import bytes_per_block
 from fdlite.kvcache.fp8_cache import E4M3_MAX, Fp8Cache
-from hf_models import load_reference
+from hf_models import prompt_logprob_errors
 
 COMMON = dict(skip_tokenizer_init=True, max_num_seqs=4, block_size=16, max_model_len=256, device="cpu")
 
@@ -56,10 +55,6 @@ def test_the_same_budget_holds_4d_over_d_plus_4_times_the_blocks(model_dirs):
     assert isinstance(fp8.runner.kv_cache.caches[0][0], Fp8Cache)
 
 
-def _prefill_logprob_error(got_lp, ref: np.ndarray, prompt: list[int]) -> float:
-    return max(abs(got_lp[i][prompt[i]].logprob - ref[i - 1, prompt[i]]) for i in range(1, len(prompt)))
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_prefill_logprob_error_next_to_transformers_bf16(model_dirs, family):
     rng = np.random.default_rng({"qwen3": 5, "llama": 6}[family])
@@ -68,25 +63,14 @@ def test_prefill_logprob_error_next_to_transformers_bf16(model_dirs, family):
     # 32 tokens a step: the 70-token prompt is prefilled in three chunks, reading its prefix from the cache.
     fp8 = LLM(model_dirs[family], kv_cache_dtype="fp8", max_num_batched_tokens=32, **COMMON)
     outs = fp8.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    model = load_reference(model_dirs[family])
-    bf16 = load_reference(model_dirs[family]).to(torch.bfloat16)
-    ours, theirs = [], []
-    for p, o in zip(prompts, outs):
-        with torch.no_grad():
-            ids = torch.tensor([p])
-            ref = torch.log_softmax(model(ids).logits[0].double(), -1).numpy()
-            half = torch.log_softmax(bf16(ids).logits[0].double(), -1).numpy()
-        ours.append(_prefill_logprob_error(o.prompt_logprobs, ref, p))
-        theirs.append(max(abs(half[i - 1, p[i]] - ref[i - 1, p[i]]) for i in range(1, len(p))))
+    ours, theirs = prompt_logprob_errors(model_dirs[family], prompts, [o.prompt_logprobs for o in outs])
     # An FP8 cache under a float32 model: its error is the cache's alone. e4m3 keeps 3 mantissa bits to bf16's 8;
     # on these random models it was 3.3-4.1x transformers' bf16 error (0.08-0.14 vs 0.02-0.04). A misread scale or
     # row would be off by whole units.
     assert 0 < max(ours) <= 6 * max(theirs), (ours, theirs)
     exact = LLM(model_dirs[family], max_num_batched_tokens=32, **COMMON).generate(
         [{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
-    with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([prompts[0]])).logits[0].double(), -1).numpy()
-    assert _prefill_logprob_error(exact.prompt_logprobs, ref, prompts[0]) < 1e-3  # the model-dtype cache: exact
+    assert max(prompt_logprob_errors(model_dirs[family], prompts[:1], [exact.prompt_logprobs])[0]) < 1e-3  # exact
 
 
 def test_preemption_prefix_hits_and_poisoned_blocks_give_the_same_tokens(model_dirs, monkeypatch):
