@@ -179,3 +179,28 @@ def test_rejects_bad_tables():
     bad = paddle.to_tensor(np.full((1, 3), 10_000, np.int32))
     with pytest.raises(Exception, match="block id"):
         cpu_attention.paged_attention(q, kc, vc, bad, meta.cu_seqlens_q, meta.seq_lens_kv, 1.0, False)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_fp8_cache_matches_the_reference(graph):
+    """The _fp8 op widens e4m3 bytes by a 256-entry table times each slot's scale: the same floats the reference's
+    Paddle cast gives, so the two agree to float32 rounding, in eager and graph form, for decodes and prefills."""
+    from fdlite.kvcache.fp8_cache import Fp8Cache
+
+    rows = [(1, 77), (1, 3), (1, 130), (20, 90), (9, 9)]
+    q, kc, vc, meta = make_case(rows, 8, 4, 32, 16, seed=5)
+    if graph:
+        meta.prefills = None
+    caches = []
+    for src in (kc, vc):
+        c = Fp8Cache(list(src.shape))
+        flat = src.reshape([-1, src.shape[-1]])
+        c.write(paddle.arange(flat.shape[0], dtype="int64"), flat * 3.0)  # every slot, scales well away from 1
+        caches.append(c)
+    scale = 32**-0.5
+    ref = reference_attention(q, caches[0], caches[1], meta, scale).numpy()
+    got = run_cpp(q, caches[0], caches[1], meta, scale).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    exact = reference_attention(q, kc * 3.0, vc * 3.0, meta, scale).numpy()
+    err = np.abs(got - exact).max() / np.abs(exact).max()
+    assert 1e-3 < err < 0.15, err  # really FP8: near the float32 cache's result, not equal to it

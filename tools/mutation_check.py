@@ -589,6 +589,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "cpu-fp8-op-scale-dropped",
+        "The C++ CPU attention op widens FP8 K/V bytes without their per-slot scales",
+        (Edit("fdlite/kernels/csrc_cpu/paged_attention_cpu.cc",
+              "    const float sc = scale[r];\n",
+              "    const float sc = 1.0f + 0.0f * scale[r];  // MUTATION\n"),),
+        ("tests/test_cpu_attention_op.py::test_fp8_cache_matches_the_reference",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)

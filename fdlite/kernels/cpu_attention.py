@@ -168,6 +168,12 @@ def available() -> bool:
 
 def paged_attention(q, k_cache, v_cache, block_tables, rows, lens, scale: float, per_token: bool,
                     num_threads: int = 0):
-    """q [T, h, d] float32 -> [T, h * d]; see the C++ file for `rows` / `lens` in each mode."""
+    """q [T, h, d] float32 -> [T, h * d]; see the C++ file for `rows` / `lens` in each mode. The caches are
+    float32 tensors, or `Fp8Cache`s (fdlite/kvcache/fp8_cache.py: e4m3 bytes and their scales)."""
+    import paddle  # noqa: PLC0415 (this module loads without Paddle's import cost until an op runs)
+
+    if not isinstance(k_cache, paddle.Tensor):  # an Fp8Cache
+        return _state["run"](OP + "_fp8", q, k_cache.data, k_cache.scale, v_cache.data, v_cache.scale, block_tables,
+                             rows, lens, float(scale), bool(per_token), int(num_threads))[0]
     return _state["run"](OP, q, k_cache, v_cache, block_tables, rows, lens, float(scale), bool(per_token),
                          int(num_threads))[0]

@@ -1,6 +1,6 @@
 """Paged attention over a flat batch that mixes decodes and prefills, in plain Paddle ops.
 
-On CPU with float32, `paged_attention` hands the attention itself to the C++ op of
+On CPU with float32 (over a float32 or FP8 cache), `paged_attention` hands the attention itself to the C++ op of
 `fdlite/kernels/cpu_attention.py` (it reads K/V in place through the block tables, no gather copy, one dispatch
 per layer); what follows is the reference it is tested against, and the path for other dtypes, for
 machines that cannot compile it, and for FDLITE_CPU_ATTENTION=reference.
@@ -157,9 +157,10 @@ def prefill_attention(q, k_cache, v_cache, meta: ForwardMeta, span, scale: float
 
 
 def _use_cpp(q, k_cache) -> bool:
-    """The C++ op serves float32 on CPU; other dtypes (and machines where it cannot be built) use the reference."""
-    return (q.dtype == paddle.float32 and k_cache.dtype == paddle.float32 and k_cache.place.is_cpu_place()
-            and cpu_attention.available())
+    """The C++ op serves float32 queries over float32 or FP8 caches on CPU; other dtypes (and machines where it
+    cannot be built) use the reference."""
+    return (q.dtype == paddle.float32 and k_cache.dtype in (paddle.float32, Fp8Cache.dtype)
+            and k_cache.place.is_cpu_place() and cpu_attention.available())
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: ForwardMeta, scale: float) -> paddle.Tensor:

@@ -15,6 +15,10 @@
 //     lens = positions [T]; token t reads table row rows[t] up to position lens[t] inclusive.
 // Index tensors may be int32 or int64.
 //
+// fdl_cpu_paged_attention_fp8 reads an FP8 cache (kv_cache_dtype="fp8", fdlite/kvcache/fp8_cache.py): e4m3 bytes
+// in the same layout plus a float32 scale per (slot, KV head); each block of keys and values is widened into
+// float scratch (a 256-entry table, times its rows' scales) before the same float32 code runs on it.
+//
 // Work item = (token, KV head): the query heads sharing that KV head are done together, so each K/V
 // row is pulled into cache once for all of them (GQA). Items run in parallel on OpenMP threads
 // (OMP_NUM_THREADS, or the num_threads attribute when > 0), handed out by an atomic counter. Scores are kept in base 2: q is pre-scaled
@@ -187,9 +191,41 @@ struct Shape {
   int64_t h, kvh, g, d, bs, width, num_blocks;
 };
 
+// The K/V cache of one layer: float32, or e4m3 bytes with a float32 scale per (block, head, slot).
+struct Cache {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const uint8_t* k8 = nullptr;
+  const uint8_t* v8 = nullptr;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+};
+
+// e4m3fn byte -> float: 4 exponent bits (bias 7), 3 mantissa bits, subnormals at exponent 0, NaN at S.1111.111.
+struct E4m3Table {
+  float v[256];
+  E4m3Table() {
+    for (int x = 0; x < 256; ++x) {
+      const int e = (x >> 3) & 15, m = x & 7;
+      float f = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) f = std::numeric_limits<float>::quiet_NaN();
+      v[x] = (x & 128) ? -f : f;
+    }
+  }
+};
+const E4m3Table kE4m3;
+
+// n rows of d e4m3 bytes starting at `src` (row r scaled by scale[r]) -> dst [n, d] floats.
+void widen_rows(const uint8_t* src, const float* scale, int64_t n, int64_t d, float* dst) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float sc = scale[r];
+    for (int64_t c = 0; c < d; ++c) dst[r * d + c] = kE4m3.v[src[r * d + c]] * sc;
+  }
+}
+
 // One (token, KV head): g query heads over the token's kv_len keys, block by block, online softmax.
-// scratch: g * bs scores, g * d accumulators, g * d scaled queries.
-void attend_item(const float* q, const float* kc, const float* vc, const int32_t* table, int64_t kv_len, int64_t head,
+// scratch: g * bs scores, g * d accumulators, g * d scaled queries (then 2 * bs * d widened K/V for FP8).
+void attend_item(const float* q, const Cache& cache, const int32_t* table, int64_t kv_len, int64_t head,
                  const Shape& sh, float qscale, float* scratch, float* out) {
   const int64_t g = sh.g, d = sh.d, bs = sh.bs;
   float* s = scratch;                  // [g, bs]
@@ -206,8 +242,16 @@ void attend_item(const float* q, const float* kc, const float* vc, const int32_t
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n = std::min(bs, kv_len - b * bs);
     const int64_t base = (static_cast<int64_t>(table[b]) * sh.kvh + head) * bs * d;
-    const float* kb = kc + base;
-    const float* vb = vc + base;
+    const float* kb = cache.k + base;
+    const float* vb = cache.v + base;
+    if (cache.k8 != nullptr) {
+      float* kw = scratch + g * (bs + 2 * d);
+      float* vw = kw + bs * d;
+      widen_rows(cache.k8 + base, cache.k_scale + base / d, n, d, kw);
+      widen_rows(cache.v8 + base, cache.v_scale + base / d, n, d, vw);
+      kb = kw;
+      vb = vw;
+    }
     for (int64_t k = 0; k < g; ++k) {
       float* sk = s + k * bs;
       scores_block(qv + k * d, kb, n, d, sk);
@@ -234,14 +278,19 @@ void attend_item(const float* q, const float* kc, const float* vc, const int32_t
 
 }  // namespace
 
-std::vector<paddle::Tensor> PagedAttentionCpu(const paddle::Tensor& q, const paddle::Tensor& k_cache,
-                                              const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
-                                              const paddle::Tensor& rows, const paddle::Tensor& lens, float scale,
-                                              bool per_token, int num_threads) {
+namespace {
+
+// Both ops: k_scale / v_scale are null for a float32 cache.
+std::vector<paddle::Tensor> paged_attention_impl(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                                 const paddle::Tensor& v_cache, const paddle::Tensor* k_scale,
+                                                 const paddle::Tensor* v_scale, const paddle::Tensor& block_tables,
+                                                 const paddle::Tensor& rows, const paddle::Tensor& lens, float scale,
+                                                 bool per_token, int num_threads) {
+  const bool fp8 = k_scale != nullptr;
   PD_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu(), "fdl_cpu_paged_attention: CPU tensors only");
-  PD_CHECK(q.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32 &&
-               v_cache.dtype() == paddle::DataType::FLOAT32,
-           "fdl_cpu_paged_attention: float32 only");
+  const paddle::DataType cache_dtype = fp8 ? paddle::DataType::UINT8 : paddle::DataType::FLOAT32;
+  PD_CHECK(q.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == cache_dtype && v_cache.dtype() == cache_dtype,
+           "fdl_cpu_paged_attention: float32 q, and float32 caches (or e4m3 bytes with the _fp8 op)");
   PD_CHECK(block_tables.dtype() == paddle::DataType::INT32, "fdl_cpu_paged_attention: block_tables must be int32");
   for (const paddle::Tensor* t : {&rows, &lens})
     PD_CHECK(t->dtype() == paddle::DataType::INT32 || t->dtype() == paddle::DataType::INT64,
@@ -259,6 +308,12 @@ std::vector<paddle::Tensor> PagedAttentionCpu(const paddle::Tensor& q, const pad
   sh.bs = cs[2];
   sh.width = block_tables.shape()[1];
   PD_CHECK(cs[3] == sh.d && sh.kvh > 0 && sh.h % sh.kvh == 0, "fdl_cpu_paged_attention: head shapes do not match");
+  if (fp8) {
+    const std::vector<int64_t> ss(cs.begin(), cs.end() - 1);
+    PD_CHECK(k_scale->dtype() == paddle::DataType::FLOAT32 && v_scale->dtype() == paddle::DataType::FLOAT32 &&
+                 k_scale->shape() == ss && v_scale->shape() == ss,
+             "fdl_cpu_paged_attention_fp8: scales must be float32 [blocks, kv_heads, block_size]");
+  }
   sh.g = sh.h / sh.kvh;
   PD_CHECK(sh.g <= 64, "fdl_cpu_paged_attention: more than 64 query heads per KV head");
   const int64_t num_rows = block_tables.shape()[0];
@@ -290,15 +345,23 @@ std::vector<paddle::Tensor> PagedAttentionCpu(const paddle::Tensor& q, const pad
 
   paddle::Tensor out = paddle::empty({T, sh.h * sh.d}, paddle::DataType::FLOAT32, q.place());
   const float* qp = q.data<float>();
-  const float* kp = k_cache.data<float>();
-  const float* vp = v_cache.data<float>();
+  Cache cache;
+  if (fp8) {
+    cache.k8 = k_cache.data<uint8_t>();
+    cache.v8 = v_cache.data<uint8_t>();
+    cache.k_scale = k_scale->data<float>();
+    cache.v_scale = v_scale->data<float>();
+  } else {
+    cache.k = k_cache.data<float>();
+    cache.v = v_cache.data<float>();
+  }
   float* op = out.data<float>();
   const float qscale = scale * kLog2e;
   const int64_t items = T * sh.kvh;
   int64_t work = 0;  // keys read over the batch: small batches are not worth waking threads for
   for (const Span& sp : spans) work += std::max<int64_t>(sp.kv_len, 0);
   work *= sh.h * sh.d;
-  const size_t scratch_size = static_cast<size_t>(sh.g * (sh.bs + 2 * sh.d));
+  const size_t scratch_size = static_cast<size_t>(sh.g * (sh.bs + 2 * sh.d) + (fp8 ? 2 * sh.bs * sh.d : 0));
 
   // Items are handed out by an atomic counter (dynamic balance: prefill tokens differ in context
   // length) rather than an OpenMP worksharing loop, so only GOMP_parallel and omp_get_max_threads are
@@ -318,7 +381,7 @@ std::vector<paddle::Tensor> PagedAttentionCpu(const paddle::Tensor& q, const pad
           std::fill(o + head * sh.g * sh.d, o + (head + 1) * sh.g * sh.d, 0.0f);
           continue;
         }
-        attend_item(qp + t * sh.h * sh.d, kp, vp, tables + sp.row * sh.width, sp.kv_len, head, sh, qscale,
+        attend_item(qp + t * sh.h * sh.d, cache, tables + sp.row * sh.width, sp.kv_len, head, sh, qscale,
                     scratch.data(), o);
       }
     }
@@ -335,6 +398,25 @@ std::vector<paddle::Tensor> PagedAttentionCpu(const paddle::Tensor& q, const pad
   worker();
 #endif
   return {out};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PagedAttentionCpu(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                              const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
+                                              const paddle::Tensor& rows, const paddle::Tensor& lens, float scale,
+                                              bool per_token, int num_threads) {
+  return paged_attention_impl(q, k_cache, v_cache, nullptr, nullptr, block_tables, rows, lens, scale, per_token,
+                              num_threads);
+}
+
+std::vector<paddle::Tensor> PagedAttentionCpuFp8(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                                 const paddle::Tensor& k_scale, const paddle::Tensor& v_cache,
+                                                 const paddle::Tensor& v_scale, const paddle::Tensor& block_tables,
+                                                 const paddle::Tensor& rows, const paddle::Tensor& lens, float scale,
+                                                 bool per_token, int num_threads) {
+  return paged_attention_impl(q, k_cache, v_cache, &k_scale, &v_scale, block_tables, rows, lens, scale, per_token,
+                              num_threads);
 }
 
 std::vector<std::vector<int64_t>> PagedAttentionCpuInferShape(const std::vector<int64_t>& q,
@@ -359,6 +441,27 @@ PD_BUILD_OP(fdl_cpu_paged_attention)
     .SetKernelFn(PD_KERNEL(PagedAttentionCpu))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionCpuInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionCpuInferDtype));
+
+std::vector<std::vector<int64_t>> PagedAttentionCpuFp8InferShape(
+    const std::vector<int64_t>& q, const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&) {
+  return {{q[0], q[1] * q[2]}};
+}
+
+std::vector<paddle::DataType> PagedAttentionCpuFp8InferDtype(const paddle::DataType& q, const paddle::DataType&,
+                                                             const paddle::DataType&, const paddle::DataType&,
+                                                             const paddle::DataType&, const paddle::DataType&,
+                                                             const paddle::DataType&, const paddle::DataType&) {
+  return {q};
+}
+
+PD_BUILD_OP(fdl_cpu_paged_attention_fp8)
+    .Inputs({"q", "k_cache", "k_scale", "v_cache", "v_scale", "block_tables", "rows", "lens"})
+    .Outputs({"out"})
+    .Attrs({"scale: float", "per_token: bool", "num_threads: int"})
+    .SetKernelFn(PD_KERNEL(PagedAttentionCpuFp8))
+    .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionCpuFp8InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionCpuFp8InferDtype));
 
 // Lets the loader confirm it opened the library it built (and which code paths it has).
 extern "C" int fdl_cpu_ops_abi(void) {
