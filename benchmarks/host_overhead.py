@@ -257,7 +257,7 @@ def stub_forward(llm) -> None:
     llm.runner.forward = forward  # the step's forward up to cb8af1a and at 33a11e1
     # Since prompt logprobs the step takes the hidden states, then the LM head: the "hidden states" here are the
     # flat batch itself, and the LM head the fixed logits of its sampling rows.
-    llm.runner.forward_hidden = lambda flat, use_graphs=True: (flat, None)
+    llm.runner.forward_hidden = lambda flat, use_graphs=True, patch=None: (flat, None)  # (patch: async scheduling)
     llm.runner.model.compute_logits = lambda flat, indices: logits[: len(flat.logits_indices)]
 
 
