@@ -65,6 +65,19 @@ def test_sot_level1_matches_level0(sot_llm, eager_tokens):
     assert stats["sot_calls"] == stats["num_steps"] > 0
 
 
+def test_a_second_sot_engine_with_another_vocabulary_in_the_process(sot_llm, model_dirs, tmp_path, eager_tokens):
+    """Translating a model whose embedding table has another row count makes SOT treat that dimension as
+    symbolic; the embedding must not trip over it (F.embedding's padding-index check did: "padding_idx must be
+    within [--1, -1)"). Both engines keep giving their eager tokens."""
+    from hf_models import write_random_model
+
+    other = write_random_model(str(tmp_path / "v700"), "qwen3", seed=4, vocab_size=700)
+    want = tokens(LLM(other, use_cudagraph=False, **COMMON).generate(prompts(6), GREEDY, use_tqdm=False))
+    second = LLM(other, graph_optimization_config={"graph_opt_level": 1}, **COMMON)
+    assert tokens(second.generate(prompts(6), GREEDY, use_tqdm=False)) == want
+    assert tokens(sot_llm.generate(prompts(24), GREEDY, use_tqdm=False)) == eager_tokens
+
+
 def test_sot_translates_in_its_warmup_phase_only(sot_llm):
     """Translation counts read by the phase recorder from SOT's own counter at each phase's start."""
     ph = sot_llm.phases

@@ -598,6 +598,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "embedding-through-f-embedding",
+        "The CPU embedding goes back to F.embedding, whose padding check fails once SOT has seen two vocabularies",
+        (Edit("fdlite/layers/embedding.py",
+              "            return paddle.gather(self.weight, ids)\n",
+              "            return paddle.nn.functional.embedding(ids, self.weight)  # MUTATION\n"),),
+        ("tests/test_graph_optimization.py::test_a_second_sot_engine_with_another_vocabulary_in_the_process",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)

@@ -2,13 +2,14 @@
 
 Rank r holds rows [r * n, (r + 1) * n) with n = ceil(vocab / tp) (`TPPartition`). Each rank looks up
 the tokens it holds, writes zeros for the others, and one all-reduce assembles every token's vector.
-CPU: Paddle's embedding plus a mask; GPU: one gather kernel that writes the zeros itself.
+CPU: a row gather plus a mask (not `F.embedding`: its padding-index check reads the table's row count, which SOT
+makes symbolic once a second model with another vocabulary is translated in the process, and then refuses every
+index); GPU: one gather kernel that writes the zeros itself.
 """
 
 from __future__ import annotations
 
 import paddle
-import paddle.nn.functional as F
 
 from fdlite.distributed.communicator import tensor_parallel_all_reduce
 from fdlite.kernels import gpu as gpu_ops
@@ -25,10 +26,10 @@ class VocabParallelEmbedding(CustomOp):
 
     def forward_cpu(self, ids: paddle.Tensor) -> paddle.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return paddle.gather(self.weight, ids)
         local = ids - self.vocab_start
         held = (local >= 0) & (local < self.vocab_per_rank)
-        out = F.embedding(paddle.where(held, local, paddle.zeros_like(local)), self.weight)
+        out = paddle.gather(self.weight, paddle.where(held, local, paddle.zeros_like(local)))
         out = out * held.unsqueeze(-1).astype(out.dtype)
         return tensor_parallel_all_reduce(out)
 
