@@ -607,6 +607,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "async-caches-unwritten-block",
+        "A step's full blocks are cached by the computed count of every step scheduled so far (async scheduling then "
+        "caches a block whose last slot a later, possibly dropped, step writes)",
+        (Edit("fdlite/runner/scheduler.py",
+              "            self.allocator.cache_full_blocks(seq, computed)\n",
+              "            self.allocator.cache_full_blocks(seq)  # MUTATION\n"),),
+        ("tests/test_async_scheduling.py::test_async_prefix_hits_never_read_unwritten_slots",),
+        "new",
+    ),
+    Mutation(
+        "async-poison-out-of-order",
+        "Debug poison of freed blocks runs when they are freed, not before the next forward (async scheduling: "
+        "while a step may still read them)",
+        (Edit("fdlite/runner/engine.py",
+              "            self.allocator.on_release = self._to_poison.extend\n",
+              "            self.allocator.on_release = runner.kv_cache.poison_blocks  # MUTATION\n"),),
+        ("tests/test_async_scheduling.py::test_async_prefix_hits_never_read_unwritten_slots",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)

@@ -115,11 +115,13 @@ class BlockAllocator:
         if self.prefix_cache is not None:
             self.prefix_cache.record_query(seq.num_tokens, len(hits) * self.block_size)
 
-    def cache_full_blocks(self, seq) -> None:
-        """Hash and cache the blocks of `seq` that are now full and computed."""
+    def cache_full_blocks(self, seq, computed: int | None = None) -> None:
+        """Hash and cache the blocks of `seq` that are full and computed: of its first `computed` tokens (those whose
+        KV the steps that have run wrote; default: every step scheduled so far), those whose ids are known."""
         if self.prefix_cache is None:
             return
-        full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        computed = seq.num_computed_tokens if computed is None else min(computed, seq.num_computed_tokens)
+        full = min(computed, seq.num_known_tokens) // self.block_size
         if full <= seq.num_hashed_blocks:
             return
         hashes = self.prefix_cache.seq_hashes(seq, full)

@@ -82,8 +82,9 @@ class Engine:
         self.num_decode_tokens = 0
         # Called after each step is scheduled with its rows, in batch order (for tests and tools).
         self.schedule_listeners: list[Callable[[list[ScheduledRow]], None]] = []
+        self._to_poison: list[int] = []  # debug poison: blocks freed since the last forward started
         if self.debug_poison:
-            self.allocator.on_release = runner.kv_cache.poison_blocks
+            self.allocator.on_release = self._to_poison.extend
             runner.kv_cache.poison_blocks(list(range(num_blocks)))
 
     @property
@@ -127,8 +128,20 @@ class Engine:
         if not scheduled.rows:
             raise RuntimeError("scheduler made no progress: a sequence cannot fit the KV cache")
         prepared = self.worker.prepare(scheduled)
-        sampled = self.worker.execute(prepared)
+        sampled = self._execute(prepared, self._take_poison())
         return self._postprocess(scheduled, prepared, sampled)
+
+    def _take_poison(self) -> list[int]:
+        blocks, self._to_poison[:] = list(self._to_poison), []
+        return blocks
+
+    def _execute(self, prepared: StepInputs, poison: list[int]) -> SamplerOutput | None:
+        """The step's forward, after the debug poison of the blocks freed before it was scheduled: in stream order,
+        so a step still running when they were freed (async scheduling) reads them intact, and the step that
+        may reuse them writes after the poison."""
+        if poison:
+            self.runner.kv_cache.poison_blocks(poison)
+        return self.worker.execute(prepared)
 
     def _postprocess(self, scheduled: ScheduledBatch, prepared: StepInputs, sampled: SamplerOutput | None):
         """After a step's forward: tokens into the slots, text and logprobs, then stops and finishes."""
@@ -219,7 +232,7 @@ class Engine:
             return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="fdlite-step")
-        return scheduled, prepared, self._executor.submit(self.worker.execute, prepared)
+        return scheduled, prepared, self._executor.submit(self._execute, prepared, self._take_poison())
 
     def close(self) -> None:
         """Stop the step thread (async scheduling) once the step in flight is done; the model runner is closed by

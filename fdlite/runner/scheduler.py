@@ -56,7 +56,10 @@ class ScheduledBatch:
     joined: list[Sequence] = field(default_factory=list)  # sequences admitted from the queue this step
     finished: list[Sequence] = field(default_factory=list)  # finished or aborted since the last schedule
     num_decodes: int = 0  # leading rows known to be one-token decodes (the common step's fast path)
-    filled: list[Sequence] = field(default_factory=list)  # rows whose step completes a block (prefix caching)
+    # rows whose step completes a block (prefix caching), with their tokens computed once this step has run: with
+    # async scheduling a later step may already be scheduled when this one's tokens come back, and a block whose
+    # last slot only that later step writes must not be cached yet (it may never be written: the row can finish).
+    filled: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -103,13 +106,13 @@ class Scheduler:
             c = seq.num_computed_tokens = seq.num_computed_tokens + 1
             seq.num_output_placeholders += 1
             if caching and c // bs > seq.num_hashed_blocks:
-                filled.append(seq)
+                filled.append((seq, c))
         for seq, n in rows[batch.num_decodes :]:
             c = seq.num_computed_tokens = seq.num_computed_tokens + n
             if c == seq.num_tokens:
                 seq.num_output_placeholders += 1
             if caching and c // bs > seq.num_hashed_blocks:
-                filled.append(seq)
+                filled.append((seq, c))
 
     def _schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
@@ -284,8 +287,8 @@ class Scheduler:
             seq.output_token_ids.append(token)
             seq.num_output_placeholders -= 1
         constrained = [(s, t) for s, t in zip(seqs, tokens) if s.grammar is not None] if self.num_constrained else ()
-        for seq in scheduled.filled:  # hashes only the known tokens: a block with a placeholder waits
-            self.allocator.cache_full_blocks(seq)
+        for seq, computed in scheduled.filled:  # hashes only the known tokens: a block with a placeholder waits
+            self.allocator.cache_full_blocks(seq, computed)
         finished = []
         for i in candidates:
             seq, token = seqs[i], tokens[i]
@@ -314,7 +317,7 @@ class Scheduler:
         b.num_decodes -= sum(s in gone for s, _ in b.rows[: b.num_decodes])
         b.rows = [(s, n) for s, n in b.rows if s not in gone]
         b.grown = [s for s in b.grown if s not in gone]
-        b.filled = [s for s in b.filled if s not in gone]
+        b.filled = [(s, c) for s, c in b.filled if s not in gone]
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished sequence, running or waiting."""
