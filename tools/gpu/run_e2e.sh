@@ -14,13 +14,8 @@ OUT=${OUT:-${TMPDIR:-/tmp}/fdl_e2e_out}
 source tools/gpu/device_env.sh
 export GLOG_minloglevel=2
 LOG=$OUT/e2e_log.txt
-filter() { grep -v -E "compute capability|Please NOTE: device|has been registered|^W[0-9]{4} "; }
-machine_header 2>&1 | filter | tee -a "$LOG"
-t0=$SECONDS
-lib=$(python3 fdlite/kernels/build.py 2>>"$LOG") || { echo "ops build failed" | tee -a "$LOG"; tail -30 "$LOG"; exit 1; }
-export FDLITE_GPU_OPS_LIB=$lib
-echo "ops library $lib built or cached in $((SECONDS - t0)) s" | tee -a "$LOG"
-cp "$(dirname "$lib")/ptxas_report.txt" "$OUT/" 2>/dev/null || true
+start_log "$LOG" || exit 1
+cp "$(dirname "$FDLITE_GPU_OPS_LIB")/ptxas_report.txt" "$OUT/" 2>/dev/null || true
 declare -A LIMIT=([parity]=170 [graphs]=150 [hf_bench]=90 [throughput]=230 [latency]=240 [diag]=200 [sampling_checks]=200 [sampling]=330 [churn]=420
                   [memory]=150)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done

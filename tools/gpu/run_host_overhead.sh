@@ -13,10 +13,7 @@ OUT=${OUT:-${TMPDIR:-/tmp}/fdl_host_out}
 source tools/gpu/device_env.sh
 export GLOG_minloglevel=2
 LOG=$OUT/host_log.txt
-filter() { grep -v -E "compute capability|Please NOTE: device|has been registered|^W[0-9]{4} "; }
-machine_header 2>&1 | filter | tee -a "$LOG"
-lib=$(python3 fdlite/kernels/build.py 2>>"$LOG") || { echo "ops build failed" | tee -a "$LOG"; tail -30 "$LOG"; exit 1; }
-export FDLITE_GPU_OPS_LIB=$lib
+start_log "$LOG" || exit 1
 PYTHONPATH=$(pwd):${PYTHONPATH:-} python3 benchmarks/host_overhead.py --json "$OUT/host_overhead.json" \
   ${BENCH_ARGS:---batches 1 64 256 --large-vocab-batches 1 64 256 --large-vocab-modes greedy sampled --repeats 3} \
   2>&1 | filter | tee -a "$LOG"

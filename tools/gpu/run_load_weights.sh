@@ -15,12 +15,7 @@ source tools/gpu/device_env.sh
 export GLOG_minloglevel=2
 LOG=$OUT/load_log.txt
 MODELS=${MODELS:-${TMPDIR:-/tmp}/fdl_models}
-filter() { grep -v -E "compute capability|Please NOTE: device|has been registered|^W[0-9]{4} "; }
-machine_header 2>&1 | filter | tee -a "$LOG"
-t0=$SECONDS
-lib=$(python3 fdlite/kernels/build.py 2>>"$LOG") || { echo "ops build failed" | tee -a "$LOG"; tail -30 "$LOG"; exit 1; }
-export FDLITE_GPU_OPS_LIB=$lib
-echo "ops library built or cached in $((SECONDS - t0)) s" | tee -a "$LOG"
+start_log "$LOG" || exit 1
 rc=0
 for s in ${SHAPES:-qwen3-0.6b}; do
   if [[ -n "${BASELINE:-}" ]]; then
