@@ -60,25 +60,43 @@ def compute_logprobs(x: np.ndarray, targets: np.ndarray, k: int) -> LogprobsTens
     a, vocab = x.shape
     targets = np.asarray(targets, np.int64)
     x = np.where(np.isnan(x), -np.inf, x).astype(np.float32, copy=False)
-    x64 = x.astype(np.float64)
-    m = x64.max(axis=1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    lse = m[:, 0] + np.log(np.exp(x64 - m).sum(axis=1))
+    m = x.max(axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, np.float32(0))
+    # exp in float32 (each term within an ulp), summed in float64: a float64 copy of the logits cost half the call
+    lse = m[:, 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=1, dtype=np.float64))
     rows = np.arange(a)
     valid = (targets >= 0) & (targets < vocab)
     xt = np.where(valid, x[rows, np.clip(targets, 0, vocab - 1)], -np.inf)
     ranks = (x >= xt[:, None]).sum(axis=1).astype(np.int64)
     k = min(k, vocab)
-    top = np.zeros((a, k), np.int64)
-    if k:
-        cand = np.argpartition(-x, k - 1, axis=1)[:, :k]
-        kth = np.take_along_axis(x, cand, 1).min(axis=1)
-        for r in np.nonzero(np.count_nonzero(x >= kth[:, None], axis=1) > k)[0]:  # ties across the k-th place:
-            cand[r] = _top_by_id(x[r], kth[r], k)  # the lower ids win
-        top = np.take_along_axis(cand, np.lexsort((cand, -np.take_along_axis(x, cand, 1)), axis=1), 1)
-    top_lp = (np.take_along_axis(x64, top, 1) - lse[:, None]).astype(np.float32)
+    top = _top_k(x, k) if k else np.zeros((a, 0), np.int64)
+    top_lp = (np.take_along_axis(x, top, 1).astype(np.float64) - lse[:, None]).astype(np.float32)
     return LogprobsTensors(token_ids=targets, logprobs=(xt.astype(np.float64) - lse).astype(np.float32), ranks=ranks,
                            top_ids=top, top_logprobs=top_lp)
+
+
+_BLOCK = 256  # block width of the top-k's candidate screen
+
+
+def _top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """Each row's k largest ids, best first, ties to the lower id. A screen replaces a full selection: the k-th
+    largest of the rows' block maxima is at most the k-th largest value (the maxima are k distinct elements), so
+    the values at or above it hold the answer; a row whose screen lets most of it through (-inf padding, heavy
+    ties) is sorted whole."""
+    a, vocab = x.shape
+    pad = (-vocab) % _BLOCK
+    blocks = np.pad(x, ((0, 0), (0, pad)), constant_values=-np.inf) if pad else x
+    bmax = blocks.reshape(a, -1, _BLOCK).max(axis=2)
+    kk = min(k, bmax.shape[1])
+    tau = np.partition(bmax, bmax.shape[1] - kk, axis=1)[:, bmax.shape[1] - kk]
+    top = np.empty((a, k), np.int64)
+    for r in range(a):
+        cand = np.flatnonzero(x[r] >= tau[r]) if kk == k else np.arange(vocab)
+        if len(cand) > vocab // 4:
+            cand = np.arange(vocab)
+        order = np.lexsort((cand, -x[r, cand]))[:k]
+        top[r] = cand[order]
+    return top
 
 
 def concat_logprobs(parts: list[LogprobsTensors]) -> LogprobsTensors:
@@ -87,13 +105,6 @@ def concat_logprobs(parts: list[LogprobsTensors]) -> LogprobsTensors:
         return parts[0]
     return LogprobsTensors(*(np.concatenate([getattr(p, f) for p in parts]) for f in
                              ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")))
-
-
-def _top_by_id(row: np.ndarray, kth: float, k: int) -> np.ndarray:
-    """The k best of a row whose k-th value is tied beyond k: everything above kth, then the lowest tied ids."""
-    above = np.nonzero(row > kth)[0]
-    tied = np.nonzero(row == kth)[0][: k - len(above)]
-    return np.concatenate([above, tied])
 
 
 def unpack(buf: np.ndarray, num_targets: int, target_of: np.ndarray, k: int) -> tuple[np.ndarray, LogprobsTensors]:
