@@ -185,3 +185,21 @@ def test_logprobs_list_reads_compares_and_pickles_as_a_list():
     assert type(plain) is list and plain == lst and lst == plain
     with pytest.raises(IndexError):
         lst[4]
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 4097])
+def test_top_k_matches_a_full_sort_through_ties_and_masked_rows(vocab):
+    """The CPU top-k screens candidates by block maxima: against a full sort (value descending, then id) on rows
+    with heavy ties, -inf runs, NaN, an all -inf row, and k beyond the block count."""
+    rng = np.random.default_rng(vocab)
+    x = np.round(rng.standard_normal((6, vocab)) * 2).astype(np.float32)  # integers: many ties
+    x[1, : vocab // 2] = -np.inf
+    x[2, 3] = np.nan
+    x[3, :] = -np.inf
+    x[4, -1] = 40.0
+    for k in (1, 5, 20):
+        got = compute_logprobs(x, np.zeros(6, np.int64), k).top_ids
+        clean = np.where(np.isnan(x), -np.inf, x)
+        for r in range(6):
+            want = sorted(range(vocab), key=lambda v: (-clean[r, v], v))[: min(k, vocab)]
+            assert got[r].tolist() == want, (r, k)

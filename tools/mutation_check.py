@@ -627,6 +627,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "logprobs-topk-screen-strict",
+        "The CPU top-k screen keeps only values above the k-th block maximum, losing the element that is it",
+        (Edit("fdlite/sample/logprobs.py",
+              "        cand = np.flatnonzero(x[r] >= tau[r]) if kk == k else np.arange(vocab)\n",
+              "        cand = np.flatnonzero(x[r] > tau[r]) if kk == k else np.arange(vocab)  # MUTATION\n"),),
+        ("tests/test_logprobs.py",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)
