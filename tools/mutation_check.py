@@ -277,9 +277,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "worker-prepares-twice",
         "The engine prepares each step twice (a second call per phase)",
         (Edit("fdlite/runner/engine.py",
-              "        prepared = self.worker.prepare(scheduled)\n        sampled = self.worker.execute(prepared)\n",
+              "        prepared = self.worker.prepare(scheduled)\n        sampled = self._execute(prepared, self._take_poison())\n",
               "        prepared = self.worker.prepare(scheduled)\n        self.worker.prepare(scheduled)  # MUTATION\n"
-              "        sampled = self.worker.execute(prepared)\n"),),
+              "        sampled = self._execute(prepared, self._take_poison())\n"),),
         ("tests/test_package_structure.py::test_one_call_per_phase_each_step",),
         "new",
     ),
