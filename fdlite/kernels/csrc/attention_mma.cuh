@@ -1,7 +1,7 @@
 // Tensor-core tile kernel of fdl_paged_attention (ops_attention.cu) for bf16 / fp16 and head_dim 64 / 128:
 // the prefill and chunked-prefill rows (q_len > kDecodeMaxQ), FlashAttention-2 style on `mma.sync`
-// m16n8k16 with fp32 accumulation. Included by ops_attention.cu after `Args`, `find_row` and
-// `kDecodeMaxQ`; fp32 and head_dim 256 keep the CUDA-core tile kernel there.
+// m16n8k16 with fp32 accumulation. Included by ops_attention.cu after `Args` and `for_each_prefill_segment`;
+// fp32 and head_dim 256 keep the CUDA-core tile kernel there.
 //
 // Why mma.sync and not Hopper's wgmma + TMA: the tile's rows are (token, query head) pairs gathered from
 // a flat varlen batch and its keys come through a block table, which TMA's dense tensor maps do not
@@ -303,16 +303,10 @@ __global__ void __launch_bounds__(MmaTile<D>::NTH, 2) attn_mma_kernel(Args a, in
   pdl_trigger();
   pdl_wait();
   extern __shared__ float4 smem4[];
-  const int total = a.cu[a.B];
-  const int64_t t_begin = (int64_t)(gridDim.x - 1 - blockIdx.x) * tile_tokens;
-  const int64_t t_end = min((int64_t)total, min(a.T, t_begin + tile_tokens));
-  int64_t t = t_begin;
-  while (t < t_end) {  // uniform across the block: every thread walks the same segments
-    const int r = find_row(a.cu, a.B, t);
-    const int64_t seg_end = min(t_end, (int64_t)a.cu[r + 1]);
-    if (a.cu[r + 1] - a.cu[r] > kDecodeMaxQ) mma_segment<T, D>(a, reinterpret_cast<T*>(smem4), r, t, seg_end);
-    t = seg_end;
-  }
+  const int64_t t_begin = (int64_t)(gridDim.x - 1 - blockIdx.x) * tile_tokens;  // last tiles first
+  for_each_prefill_segment(a, t_begin, tile_tokens, [&](int r, int64_t t, int64_t end) {
+    mma_segment<T, D>(a, reinterpret_cast<T*>(smem4), r, t, end);
+  });
 }
 
 }  // namespace

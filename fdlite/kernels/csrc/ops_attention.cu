@@ -490,21 +490,30 @@ __device__ void tile_segment(const Args& a, float* smem, int r, int64_t ts, int6
   }
 }
 
+// A tile kernel block's work: the tokens [t_begin, t_begin + tile_tokens) of the flat axis (those in the batch),
+// cut at row boundaries; segment(r, t, seg_end) is called for each piece of a prefill row (q_len > kDecodeMaxQ).
+// Uniform across the block: every thread walks the same segments.
+template <typename F>
+__device__ __forceinline__ void for_each_prefill_segment(const Args& a, int64_t t_begin, int tile_tokens, F&& segment) {
+  const int total = a.cu[a.B];
+  const int64_t t_end = min((int64_t)total, min(a.T, t_begin + tile_tokens));
+  int64_t t = t_begin;
+  while (t < t_end) {
+    const int r = find_row(a.cu, a.B, t);
+    const int64_t seg_end = min(t_end, (int64_t)a.cu[r + 1]);
+    if (a.cu[r + 1] - a.cu[r] > kDecodeMaxQ) segment(r, t, seg_end);
+    t = seg_end;
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(NT) attn_tile_kernel(Args a, int tile_tokens) {
   pdl_trigger();
   pdl_wait();
   extern __shared__ float4 smem4[];
-  const int total = a.cu[a.B];
-  const int64_t t_begin = (int64_t)blockIdx.x * tile_tokens;
-  const int64_t t_end = min((int64_t)total, min(a.T, t_begin + tile_tokens));
-  int64_t t = t_begin;
-  while (t < t_end) {  // uniform across the block: every thread walks the same segments
-    const int r = find_row(a.cu, a.B, t);
-    const int64_t seg_end = min(t_end, (int64_t)a.cu[r + 1]);
-    if (a.cu[r + 1] - a.cu[r] > kDecodeMaxQ) tile_segment<T, D>(a, reinterpret_cast<float*>(smem4), r, t, seg_end);
-    t = seg_end;
-  }
+  for_each_prefill_segment(a, (int64_t)blockIdx.x * tile_tokens, tile_tokens, [&](int r, int64_t t, int64_t end) {
+    tile_segment<T, D>(a, reinterpret_cast<float*>(smem4), r, t, end);
+  });
 }
 
 }  // namespace
@@ -584,40 +593,32 @@ template <typename T, int D>
 void launch_attention(Args a, bool tiles, cudaStream_t s) {
   if (a.T == 0) return;
   const size_t dsm = decode_smem<T, D>(a.g);
-  static bool init = false, init_cc = false;
-  // bf16 / fp16 at head_dim 64 / 128 take the tensor-core tile kernel (attention_mma.cuh)
+  // bf16 / fp16 at head_dim 64 / 128 take the tensor-core tile kernel (attention_mma.cuh) unless FDLITE_ATTN_MMA=0
   constexpr bool mma = !std::is_same<T, float>::value && (D == 64 || D == 128);
   constexpr int mma_d = D == 64 ? 64 : 128;
+  static bool init = false;
   if (!init) {  // host-side attributes, set once per instantiation (also fine during a capture)
     set_smem(attn_decode_kernel<T, D>, decode_smem<T, D>(MAXG));
+    set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
     if constexpr (mma) set_smem(attn_mma_kernel<T, mma_d>, MmaTile<mma_d>::bytes);
-    else set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
     init = true;
   }
   launch("attn_decode_kernel", attn_decode_kernel<T, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s, pdl_rows(a.T),
          a);
+  if (!tiles) return;
   if constexpr (mma) {
-    if (!tiles) return;
-    if (!options().attn_mma) {  // the CUDA-core kernel, for side-by-side measurements
-      if (!init_cc) {
-        set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
-        init_cc = true;
-      }
-      launch("attn_tile_kernel", attn_tile_kernel<T, D>, dim3((unsigned)ceil_div(a.T, BM / a.g), a.kvh), NT,
-             TileLayout<T, D>::bytes, s, false, a, BM / a.g);
-      FDL_CHECK_LAUNCH("fdl_paged_attention (tile kernel)");
+    if (options().attn_mma) {
+      const int tile_tokens = MmaTile<mma_d>::BM / a.g;
+      launch("attn_mma_kernel", attn_mma_kernel<T, mma_d>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh),
+             MmaTile<mma_d>::NTH, MmaTile<mma_d>::bytes, s, false, a, tile_tokens);
+      FDL_CHECK_LAUNCH("fdl_paged_attention (tensor-core tile kernel)");
       return;
     }
-    const int tile_tokens = MmaTile<mma_d>::BM / a.g;
-    launch("attn_mma_kernel", attn_mma_kernel<T, mma_d>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh),
-           MmaTile<mma_d>::NTH, MmaTile<mma_d>::bytes, s, false, a, tile_tokens);
-    FDL_CHECK_LAUNCH("fdl_paged_attention (tensor-core tile kernel)");
-  } else if (tiles) {
-    const int tile_tokens = BM / a.g;
-    launch("attn_tile_kernel", attn_tile_kernel<T, D>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh), NT,
-           TileLayout<T, D>::bytes, s, false, a, tile_tokens);
-    FDL_CHECK_LAUNCH("fdl_paged_attention (tile kernel)");
   }
+  const int tile_tokens = BM / a.g;
+  launch("attn_tile_kernel", attn_tile_kernel<T, D>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh), NT,
+         TileLayout<T, D>::bytes, s, false, a, tile_tokens);
+  FDL_CHECK_LAUNCH("fdl_paged_attention (tile kernel)");
 }
 
 }  // namespace
