@@ -93,20 +93,24 @@ def load(path: str | None = None) -> str:
             raise GpuOpsError(f"{path}: ABI version {capi.fdl_ops_abi_version()}, this module speaks {ABI_VERSION}: "
                               "rebuild it")
         run = native.load_paddle_ops(path)
-        if capi.fdl_set_options(envs.FDLITE_PDL, int(envs.FDLITE_GEMV), int(envs.FDLITE_ATTN_MMA)):  # before any op
-            raise GpuOpsError(f"fdl_set_options refused FDLITE_PDL={envs.FDLITE_PDL}")
+        _apply_options(capi)  # before any op runs
         _state.update(path=path, run=run, capi=capi)
         return path
+
+
+def _apply_options(capi, pdl: int | None = None, gemv: bool | None = None, attn_mma: bool | None = None) -> None:
+    """The library's switches: the given values, the rest from fdlite/envs.py."""
+    vals = (envs.FDLITE_PDL if pdl is None else pdl, int(envs.FDLITE_GEMV if gemv is None else gemv),
+            int(envs.FDLITE_ATTN_MMA if attn_mma is None else attn_mma))
+    if capi.fdl_set_options(*vals):
+        raise GpuOpsError(f"fdl_set_options refused pdl={vals[0]} (FDLITE_PDL: 0, 1 or 2)")
 
 
 def set_options(pdl: int | None = None, gemv: bool | None = None, attn_mma: bool | None = None) -> None:
     """Change the ops library's switches after load (None keeps the value from fdlite/envs.py). Launches after
     the call follow it; captured graphs keep what they captured. For side-by-side measurements in one process."""
     load()
-    vals = (envs.FDLITE_PDL if pdl is None else pdl, int(envs.FDLITE_GEMV if gemv is None else gemv),
-            int(envs.FDLITE_ATTN_MMA if attn_mma is None else attn_mma))
-    if _state["capi"].fdl_set_options(*vals):
-        raise GpuOpsError(f"fdl_set_options refused pdl={vals[0]} (0, 1 or 2)")
+    _apply_options(_state["capi"], pdl, gemv, attn_mma)
 
 
 def _run(name: str, *args):

@@ -132,7 +132,8 @@ class Engine:
         return self._postprocess(scheduled, prepared, sampled)
 
     def _take_poison(self) -> list[int]:
-        blocks, self._to_poison[:] = list(self._to_poison), []
+        blocks = self._to_poison[:]
+        self._to_poison.clear()  # (the same list: the allocator's on_release extends it)
         return blocks
 
     def _execute(self, prepared: StepInputs, poison: list[int]) -> SamplerOutput | None:

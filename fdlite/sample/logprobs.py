@@ -55,20 +55,15 @@ class LogprobsTensors:
         return d
 
 
+@np.errstate(divide="ignore", invalid="ignore")  # a row of only -inf: lse -inf and NaN logprobs, no warnings
 def compute_logprobs(x: np.ndarray, targets: np.ndarray, k: int) -> LogprobsTensors:
     """The numbers of `ops_logprobs.cu` in numpy: raw logits x [A, V] (float32), targets [A], top-k (k >= 0)."""
+    a, vocab = x.shape
     targets = np.asarray(targets, np.int64)
     x = np.where(np.isnan(x), -np.inf, x).astype(np.float32, copy=False)
     m = x.max(axis=1, keepdims=True)
     m = np.where(np.isfinite(m), m, np.float32(0))
-    # exp in float32 (each term within an ulp), summed in float64: a float64 copy of the logits cost half the call.
-    # A row of only -inf gets lse -inf and NaN logprobs, without numpy's warnings.
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return _logprobs(x, m, targets, k)
-
-
-def _logprobs(x: np.ndarray, m: np.ndarray, targets: np.ndarray, k: int) -> LogprobsTensors:
-    a, vocab = x.shape
+    # exp in float32 (each term within an ulp), summed in float64: a float64 copy of the logits cost half the call
     lse = m[:, 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=1, dtype=np.float64))
     rows = np.arange(a)
     valid = (targets >= 0) & (targets < vocab)
