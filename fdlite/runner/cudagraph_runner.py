@@ -74,7 +74,8 @@ class CudaGraphRunner:
 
         worst_case: the capture split (rows of one token and one long row); otherwise a random
         split, which is what the verify step replays: for a mixed graph, decode rows after random-length
-        contexts, then prefill chunks, some after a cached context. Decode rows sit after random-length contexts.
+        contexts, then prefill chunks, some after a cached context; for a decode graph, decode rows after
+        random-length contexts.
         """
         rng = np.random.default_rng(seed)
         bs, nb = self.block_size, self.kv_cache.num_blocks
