@@ -73,6 +73,8 @@ SAMPLED = dict(temperature=0.8, top_p=0.9)
 PROMPT_LEN = 16
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=2048)
+# The GPU kernels take head_dim 64 / 128 / 256 only (TINY's is 8): hidden 128 as two heads of 64, one KV head.
+TINY_GPU = dict(TINY, hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
 
 
 @dataclass
@@ -181,8 +183,9 @@ def _find(name: str) -> list[tuple[object, str]]:
 # ---- the measurement ------------------------------------------------------------------------------
 
 
-def write_models(model_dir: str, vocabs: list[int]) -> None:
-    """Random Qwen2-shaped models (hidden 32, 1 layer) with the real Qwen3 tokenizer, HF layout, one per vocabulary.
+def write_models(model_dir: str, vocabs: list[int], shapes: dict = TINY) -> None:
+    """Random Qwen2-shaped models (`shapes`: TINY or TINY_GPU, 1 layer) with the real Qwen3 tokenizer, HF layout,
+    one per vocabulary.
 
     Written in a subprocess (transformers and torch), so the measuring processes import only fdlite and Paddle.
     """
@@ -194,7 +197,7 @@ def write_models(model_dir: str, vocabs: list[int]) -> None:
             "for v in sys.argv[4:]:\n"
             "    add_qwen3_tokenizer(write_random_model(os.path.join(sys.argv[2], 'vocab' + v), 'qwen2', "
             "vocab_size=int(v), **eval(sys.argv[3])))")
-    subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "tests"), model_dir, repr(TINY), *map(str, todo)],
+    subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "tests"), model_dir, repr(shapes), *map(str, todo)],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -388,13 +391,15 @@ def main() -> None:
                     help="run the current tree with async_scheduling=True (the ref runs without it)")
     ap.add_argument("--stub-forward", action="store_true",
                     help="replace the forward by fixed logits (current tree only): the host work alone")
+    ap.add_argument("--gpu-shapes", action="store_true",
+                    help="hidden 128 as two heads of 64 (the GPU kernels' head_dim) instead of hidden 32")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --ref run: JSON only
     args = ap.parse_args()
     args.source = os.path.abspath(args.source)
     sys.path.insert(0, args.source)
 
     model_dir = args.model_dir or tempfile.mkdtemp(prefix="fdlite-host-overhead-")
-    write_models(model_dir, sorted({c.vocab for c in cases_from(args)}))
+    write_models(model_dir, sorted({c.vocab for c in cases_from(args)}), TINY_GPU if args.gpu_shapes else TINY)
 
     current = run_here(args, model_dir)
     out = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
@@ -408,7 +413,7 @@ def main() -> None:
             json.dump(current if args.child else out, f, indent=2)
     if args.child:
         return  # the parent prints
-    print(f"machine: {out['machine']}; model: Qwen2-shaped, hidden 32, 1 layer, random; "
+    print(f"machine: {out['machine']}; model: Qwen2-shaped, hidden {128 if args.gpu_shapes else 32}, 1 layer, random; "
           f"max_num_seqs={args.max_num_seqs}, {PROMPT_LEN}-token prompts, ignore_eos")
     print(table(current, f"current ({current['commit']}, {current['source']})"))
     if ref is not None:

@@ -98,3 +98,18 @@ def test_bad_values_and_the_gpu_path_are_refused(model_dirs, monkeypatch):
     gpu_emulator.install_engine(monkeypatch)
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not available on fdlite's GPU path"):
         LLM(model_dirs["qwen3"], kv_cache_dtype="fp8", **{**COMMON, "device": None})
+
+
+def test_fdlite_imports_where_paddle_has_no_float8():
+    """Paddle 2.6 (the GPU host framework) has no float8 dtype: importing the engine must not need one."""
+    import subprocess
+    import sys
+
+    code = ("import paddle\n"
+            "del paddle.float8_e4m3fn\n"
+            "paddle.__all__ = [n for n in paddle.__all__ if n != 'float8_e4m3fn']\n"
+            "import fdlite.llm, fdlite.kvcache.fp8_cache as f\n"
+            "print('ok', hasattr(paddle, 'float8_e4m3fn'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-2:] == ["ok", "False"]

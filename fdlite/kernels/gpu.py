@@ -39,6 +39,7 @@ _lock = threading.Lock()
 _state: dict = {}
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+HEAD_DIMS = (64, 128, 256)  # the attention kernels' instantiations (ops_attention.cu)
 
 
 _checks = envs.FDLITE_GPU_OPS_CHECKS
@@ -308,6 +309,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q
     max_q_len: known bound on any row's query length (1 in decode-only graphs), 0 = unknown.
     num_splits: KV splits for the per-token kernel, 0 = from the shapes."""
     _check(q, "q", FLOAT_DTYPES, ndim=3)
+    if _checks and q.shape[-1] not in HEAD_DIMS:
+        raise GpuOpsError(f"paged_attention: head_dim {q.shape[-1]} has no GPU kernel (head_dim {HEAD_DIMS})")
     _check(k_cache, "k_cache", (_dtype(q),), ndim=4)
     _check(v_cache, "v_cache", (_dtype(q),), ndim=4)
     _check(block_tables, "block_tables", ("int32",), ndim=2)

@@ -28,7 +28,10 @@ class Fp8Cache:
     """`data`: e4m3 bits as uint8 [num_blocks + 1, kv_heads, block_size, head_dim]; `scale`: float32
     [num_blocks + 1, kv_heads, block_size]. Owned by `KVCache` (fdlite/kvcache/cache_tensors.py)."""
 
-    dtype = paddle.float8_e4m3fn
+    @property
+    def dtype(self):
+        # Looked up when used, not at import: Paddle 2.6 (the GPU host framework) has no float8 dtype.
+        return paddle.float8_e4m3fn
 
     def __init__(self, shape: list[int]):
         self.data = device_tensors.full(shape, 0, "uint8")

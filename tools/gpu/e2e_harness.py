@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "latency", "diag", "breakdown", "sampling", "churn",
-                                    "sampling_checks", "memory"])
+                                    "sampling_checks", "memory", "profile"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
@@ -933,6 +933,61 @@ def section_breakdown():
         run("protocol_by_step_kind", case)
 
 
+def section_profile():
+    """Kernel times of one step of the churn job, a mixed one or (FDLITE_PROFILE_KIND=decode) one of 128+ decodes
+    only, run under Nsight Compute by tools/gpu/run_profile_step.sh (`--profile-from-start off`: only the step
+    between cuProfilerStart and cuProfilerStop is profiled). Eager and synchronous, so each `ModelRunner.execute` is one step's kernels in
+    launch order; the same kernels a graph replays (only the decode kernel's split count can differ: it follows
+    the step's token count, which a graph pads)."""
+    import ctypes  # noqa: PLC0415
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from churn_job import churn_requests  # noqa: PLC0415
+
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    llm = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
+              max_num_batched_tokens=8192, num_gpu_blocks_override=4000, use_cudagraph=False,
+              async_scheduling=False)
+    prompts, outs = churn_requests(768)
+    runner, inner = llm.runner, llm.runner.execute
+    want = {"mixed": lambda f: f.num_tokens > f.num_decodes and f.num_decodes >= 192,
+            "decode": lambda f: f.num_tokens == f.num_decodes and f.num_decodes >= 128}
+    want = {k: v for k, v in want.items() if k == os.environ.get("FDLITE_PROFILE_KIND", "mixed")}
+    seen = {"calls": 0}
+    done = {}
+
+    def timed(step):
+        f = step.flat
+        seen["calls"] += 1
+        kind = next((k for k, ok in want.items() if k not in done and seen["calls"] > 150 and ok(f)), None)
+        if kind is None:
+            return inner(step)
+        cuda.cuCtxSynchronize()
+        cuda.cuProfilerStart()
+        t = time.perf_counter()
+        out = inner(step)
+        cuda.cuCtxSynchronize()
+        done[kind] = {"order": len(done), "tokens": f.num_tokens, "decodes": f.num_decodes,
+                      "rows": f.num_rows,
+                      "wall_ms_under_profiler": round((time.perf_counter() - t) * 1e3, 2)}
+        cuda.cuProfilerStop()
+        return out
+
+    def case():
+        runner.execute = timed
+        try:
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs],
+                         use_tqdm=False)
+        finally:
+            runner.execute = inner
+        return {"steps": done, "calls": seen["calls"]}
+
+    run("profiled_steps", case)
+
+
 # ---- sampling features at full speed (device-side logits processors) ---------------------------
 
 def json_schema() -> dict:
@@ -945,9 +1000,12 @@ def json_schema() -> dict:
 
 # ---- the churn job: more requests than rows (token-count graphs for the steps that mix) -----------------
 def section_churn():
-    """benchmarks/churn_job.py's job on Qwen3-0.6B shapes (bf16), in one process: with token-count graphs (the
-    default now) and with decode graphs only (the engine before them), each LLM with the same 4,000 KV blocks of
-    64 tokens (256,000 tokens: the job's 256 rows of up to 1,280 tokens fit without preemption)."""
+    """benchmarks/churn_job.py's job on Qwen3-0.6B shapes (bf16), in one process: today's defaults (token-count
+    graphs, tensor-core prefill attention, async scheduling) beside the engine issue 24 was filed against (decode
+    graphs only, prefill attention on CUDA cores, synchronous steps), each LLM with the same 4,000 KV blocks of
+    64 tokens (256,000 tokens: the job's 256 rows of up to 1,280 tokens fit without preemption). Two more engines
+    show where the gain comes from: today's synchronous, and today's with token-count graphs every 256 tokens
+    (less padding, more graphs)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from churn_job import churn_requests, run_job  # noqa: PLC0415
 
@@ -957,44 +1015,43 @@ def section_churn():
     prompts, outs = churn_requests(n)
     common = dict(skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
                   max_num_batched_tokens=8192, num_gpu_blocks_override=4000)
-    # The engine before issues 24-25 (decode graphs only, prefill attention on CUDA cores) beside today's; the
-    # kernel switch (FDLITE_ATTN_MMA) is set for each engine's capture and its runs.
-    before = {"graph_optimization_config": {"cudagraph_mixed_capture_sizes": []}}
-    variants = [("before: decode graphs only, CUDA-core prefill attention", before),
-                ("token-count graphs, tensor-core prefill attention", {}),
-                ("before (again)", before)]
-    mma = {variants[0][0]: False, variants[1][0]: True, variants[2][0]: False}
+    # The kernel switch (FDLITE_ATTN_MMA) is set for each engine's capture and its runs.
+    before = {"graph_optimization_config": {"cudagraph_mixed_capture_sizes": []}, "async_scheduling": False}
+    fine = sorted({16, 32, 64, 128, 256, 384, 512, 768} | set(range(1024, 8193, 256)))
+    variants = [("before: decode graphs only, CUDA-core prefill attention, sync", before, False),
+                ("today's defaults (token-count graphs, tensor-core attention, async)", {}, True),
+                ("today's, sync", {"async_scheduling": False}, True),
+                ("today's, token-count graphs every 256 tokens",
+                 {"graph_optimization_config": {"cudagraph_mixed_capture_sizes": fine}}, True)]
+    variants.append(("before (again)", before, False))
     llms = {}
 
-    def startup(name, extra):
+    def startup(name, extra, use_mma):
         def f():
             t = time.time()
-            set_attn_mma(mma[name])
+            set_attn_mma(use_mma)
             llms[name] = LLM(qwen3_06b(), **common, **extra)
             return {"startup_s": round(time.time() - t, 1), "kv_blocks": llms[name].num_blocks,
                     "mixed_sizes": llms[name].startup_report["cudagraph_mixed_sizes"]}
         return f
 
-    def job(name):
+    def job(name, use_mma):
         def f():
-            set_attn_mma(mma[name])
-            try:
-                run_job(llms[name], prompts[:16], outs[:16])  # warm-up
-                return run_job(llms[name], prompts, outs)
-            finally:
-                set_attn_mma(True)
+            set_attn_mma(use_mma)
+            run_job(llms[name], prompts[:16], outs[:16])  # warm-up
+            return run_job(llms[name], prompts, outs)
         return f
 
-    b0, now, b1 = (v[0] for v in variants)
-    for name, extra in variants[:2]:
-        run(f"startup: {name}", startup(name, extra))
-    set_attn_mma(True)
-    for name, _ in variants[:2]:
+    # One engine alive at a time (each holds 4,000 blocks = 28 GiB of KV cache); "before" runs first and last.
+    for name, extra, use_mma in variants:
+        run(f"startup: {name}", startup(name, extra, use_mma))
         if name in llms:
-            run(name, job(name))
-    if b0 in llms:  # the first variant again, after the second: the order's effect
-        llms[b1] = llms[b0]
-        run(b1, job(b1))
+            try:
+                run(name, job(name, use_mma))
+            finally:
+                llms.pop(name).close()
+                set_attn_mma(True)
+    b0, now, b1 = variants[0][0], variants[1][0], variants[-1][0]
     r = RES["results"]
     if now in r and b0 in r:
         base = max(r[b0]["output_tokens_per_s"], r.get(b1, {}).get("output_tokens_per_s", 0))
@@ -1278,7 +1335,8 @@ def section_sampling_checks():
 if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
      "throughput": section_throughput, "latency": section_latency, "diag": section_diag, "breakdown": section_breakdown,
-     "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn, "memory": section_memory}[ARGS.section]()
+     "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn, "memory": section_memory,
+     "profile": section_profile}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))
