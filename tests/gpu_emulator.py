@@ -46,6 +46,11 @@ def copy_from_host(dst, values):
     _assign(dst, values.reshape(dst.shape))
 
 
+def upload(values, dtype):
+    CALLS["upload"] += 1
+    return paddle.to_tensor(np.ascontiguousarray(values, dtype=dtype))
+
+
 def copy_from_host_many(dst_ptrs, src_ptrs, nbytes):
     """Raw copies, as the kernel-side call does: the emulated GPU tensors are host memory."""
     import ctypes
@@ -252,7 +257,7 @@ class PinnedCopies:
         pass
 
 
-OPS = ("fill_", "copy_", "copy_from_host", "copy_from_host_many", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
+OPS = ("fill_", "copy_", "copy_from_host", "upload", "copy_from_host_many", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
        "rope_qk_norm_cache", "paged_attention", "lm_head_logits", "argmax", "sample", "apply_penalties_", "scatter_",
        "apply_bitmask_", "logprobs", "to_host", "PinnedCopies")
 

@@ -193,13 +193,16 @@ def test_emulated_gpu_seeded_sampling_follows_the_kernel_rule(model_dirs, monkey
     """Seeded sampling on the GPU path draws with the kernel's rule (sampling_ref) from (seed, position):
     the same tokens whatever else shares the batch."""
     params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=5, ignore_eos=True)
-    _emulate_gpu(monkeypatch)
+    calls = _emulate_gpu(monkeypatch)
     llm = LLM(model_dirs["qwen3"], **COMMON)
     ps = prompts(5, seed=9)
     alone = llm.generate(ps[:1], params, use_tqdm=False)[0].outputs[0].token_ids
     together = llm.generate(ps, [params] + [SamplingParams(temperature=1.0, seed=i, max_tokens=5) for i in range(4)],
                             use_tqdm=False)[0].outputs[0].token_ids
     assert alone == together and len(alone) == 5
+    # The rows' sampling parameters reach the device through `upload` (an async copy): Paddle 2.6's to_tensor
+    # would wait for the GPU to drain, stalling a step launched ahead.
+    assert calls["upload"] >= 6 * 5
 
 
 # ---- graph_opt_level without SOT ---------------------------------------------------------------

@@ -636,6 +636,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "sampler-upload-synchronous",
+        "The GPU sampler's row parameters go up through paddle.to_tensor (a synchronous copy) again",
+        (Edit("fdlite/sample/sampler_gpu.py",
+              "    return gpu_ops.upload(a, dtype)\n",
+              "    return paddle.to_tensor(np.ascontiguousarray(a, dtype=dtype))  # MUTATION\n"),),
+        ("tests/test_gpu_path_cpu.py::test_emulated_gpu_seeded_sampling_follows_the_kernel_rule",),
+        "new",
+    ),
+    Mutation(
+        "fp8-dtype-at-import",
+        "Fp8Cache names paddle.float8_e4m3fn when the module is imported (Paddle 2.6 has none)",
+        (Edit("fdlite/kvcache/fp8_cache.py",
+              "    @property\n    def dtype(self):\n",
+              "    dtype_at_import = paddle.float8_e4m3fn  # MUTATION\n\n    @property\n    def dtype(self):\n"),),
+        ("tests/test_fp8_kv_cache.py::test_fdlite_imports_where_paddle_has_no_float8",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)

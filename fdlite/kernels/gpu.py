@@ -210,6 +210,21 @@ def copy_from_host(dst, values: np.ndarray) -> None:
         raise GpuOpsError(f"cudaMemcpyAsync host to device failed: error {rc}")
 
 
+def upload(values, dtype) -> paddle.Tensor:
+    """A new device tensor holding host `values` as numpy `dtype`, queued without waiting for the stream:
+    `paddle.empty` and one cudaMemcpyAsync (pageable memory is staged by the runtime before the call returns).
+    Paddle 2.6's `paddle.to_tensor` copies synchronously, which holds the step thread until the GPU has drained;
+    with async scheduling the next step then waits for that thread (and for the GIL) before it is launched. The
+    sampler's per-step row parameters come through here."""
+    a = np.ascontiguousarray(values, dtype=dtype)
+    t = paddle.empty(list(a.shape), dtype=a.dtype.name)
+    if a.nbytes:
+        rc = capi().fdl_memcpy_h2d_async(t.data_ptr(), a.ctypes.data, a.nbytes, current_stream_handle())
+        if rc:
+            raise GpuOpsError(f"cudaMemcpyAsync host to device failed: error {rc}")
+    return t
+
+
 def copy_from_host_many(dst_ptrs: list[int], src_ptrs: list[int], nbytes: list[int]) -> None:
     """Host -> device copies dst_ptrs[i] <- src_ptrs[i] (nbytes[i] each) on the current stream, in one ctypes
     call: the runner's step inputs (`runner/forward_buffers.py`). Sources may be reused on return (pageable

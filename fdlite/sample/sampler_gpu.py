@@ -29,7 +29,7 @@ from fdlite.sample.sampler import _NEG_INF, PendingSample, SamplerOutput, Sampli
 
 
 def _upload(a, dtype) -> paddle.Tensor:
-    return paddle.to_tensor(np.ascontiguousarray(a, dtype=dtype))
+    return gpu_ops.upload(a, dtype)
 
 
 def _adjusts(batch: SamplingBatch) -> bool:
