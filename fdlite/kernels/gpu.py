@@ -210,12 +210,14 @@ def copy_from_host(dst, values: np.ndarray) -> None:
         raise GpuOpsError(f"cudaMemcpyAsync host to device failed: error {rc}")
 
 
-def upload(values, dtype) -> paddle.Tensor:
+def upload(values, dtype):
     """A new device tensor holding host `values` as numpy `dtype`, queued without waiting for the stream:
     `paddle.empty` and one cudaMemcpyAsync (pageable memory is staged by the runtime before the call returns).
     Paddle 2.6's `paddle.to_tensor` copies synchronously, which holds the step thread until the GPU has drained;
     with async scheduling the next step then waits for that thread (and for the GIL) before it is launched. The
     sampler's per-step row parameters come through here."""
+    import paddle  # noqa: PLC0415
+
     a = np.ascontiguousarray(values, dtype=dtype)
     t = paddle.empty(list(a.shape), dtype=a.dtype.name)
     if a.nbytes:
