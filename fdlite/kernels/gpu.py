@@ -73,7 +73,7 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fdl_memcpy_d2h_async": (_int, [_vp, _vp, _size, _vp, _vp]),
     "fdl_event_synchronize": (_int, [_vp]),
 }
-ABI_VERSION = 6  # fdl_ops_abi_version() of the sources this module speaks to
+ABI_VERSION = 7  # fdl_ops_abi_version() of the sources this module speaks to (7: the MoE ops)
 
 
 def load(path: str | None = None) -> str:
