@@ -15,6 +15,7 @@ from collections import Counter
 import numpy as np
 import paddle
 
+import moe_ref
 from fdlite.kernels import gpu as gpu_ops
 from fdlite.kernels import platform
 from fdlite.sample import sampling_ref
@@ -230,6 +231,29 @@ def logprobs(logits, rows, targets, target_of, k):
     return paddle.to_tensor(np.concatenate([t.astype(np.int32), rec.reshape(-1)]))
 
 
+def moe_route(logits, top_k, renormalize, norm_min=0.0, correction_bias=None, balanced=False):
+    CALLS["moe_route"] += 1
+    bias = None if correction_bias is None else _np(correction_bias).reshape(-1)
+    ids, w = moe_ref.route(_np(logits), top_k, renormalize, norm_min, bias, balanced)
+    return paddle.to_tensor(ids), paddle.to_tensor(w)
+
+
+def moe_align(ids, num_experts, block_m=0):
+    CALLS["moe_align"] += 1
+    n = int(np.prod(ids.shape))
+    rows, tiles = moe_ref.align(ids.numpy(), num_experts, block_m or moe_ref.block_m(n, num_experts))
+    return paddle.to_tensor(rows), paddle.to_tensor(tiles)
+
+
+def moe_experts(x, ids, weights, w13, w2, block_m=0):
+    """The contract of ops_moe.cu: [E, out, in] expert weights (the GPU layout), int32 ids, float32 weights."""
+    CALLS["moe_experts"] += 1
+    assert ids.dtype == paddle.int32 and weights.dtype == paddle.float32
+    assert w13.shape[0] == w2.shape[0] and w13.shape[2] == x.shape[1] == w2.shape[1] and w13.shape[1] == 2 * w2.shape[2]
+    out = moe_ref.experts(_np(x), ids.numpy(), weights.numpy(), _np(w13), _np(w2))
+    return paddle.to_tensor(out.astype(np.float32))
+
+
 def to_host(x):
     CALLS["to_host"] += 1
     return x.numpy()
@@ -259,7 +283,7 @@ class PinnedCopies:
 
 OPS = ("fill_", "copy_", "copy_from_host", "upload", "copy_from_host_many", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
        "rope_qk_norm_cache", "paged_attention", "lm_head_logits", "argmax", "sample", "apply_penalties_", "scatter_",
-       "apply_bitmask_", "logprobs", "to_host", "PinnedCopies")
+       "apply_bitmask_", "logprobs", "moe_route", "moe_align", "moe_experts", "to_host", "PinnedCopies")
 
 
 def install(monkeypatch) -> Counter:

@@ -64,14 +64,18 @@ def _load(path: str, dtype: str = "float32", tp=None):
 
 
 def _same_weights(gpu_model, cpu_model) -> None:
-    """The emulated GPU model holds the CPU model's values, linear weights transposed ([out, in])."""
+    """The emulated GPU model holds the CPU model's values, linear and expert weights transposed ([out, in])."""
     from fdlite.layers.linear import Linear
+    from fdlite.layers.moe import FusedMoE
 
     linear = {f"{n}.weight" for n, l in gpu_model.named_sublayers() if isinstance(l, Linear)}
+    experts = {f"{n}.{w}" for n, l in gpu_model.named_sublayers() if isinstance(l, FusedMoE)
+               for w in ("gate_up_proj", "down_proj")}  # [E, out, in] on the GPU, [E, in, out] on the CPU
     cpu = {k: v.numpy() for k, v in cpu_model.named_parameters()}
     for name, p in gpu_model.named_parameters():
         got = p.numpy()
-        np.testing.assert_array_equal(got, cpu[name].T if name in linear else cpu[name], err_msg=name)
+        want = cpu[name].T if name in linear else cpu[name].transpose(0, 2, 1) if name in experts else cpu[name]
+        np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 def _nan_filled_allocations(m) -> None:
@@ -96,7 +100,7 @@ def _refuse_paddle_host_ops(m) -> None:
         m.setattr(paddle.Tensor, name, refuse(f"Tensor.{name}"))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "qwen3_moe"])
 def test_emulated_gpu_loader_copies_each_tensor_once_straight_from_the_mapped_file(model_dirs, family, monkeypatch):
     """Hugging Face layout, checkpoint dtype = model dtype: one host-to-device copy per checkpoint tensor, each
     from the memory-mapped file itself (no host copy, no numpy conversion, no Paddle op), into its rows of the
@@ -167,9 +171,9 @@ def test_emulated_gpu_loader_keeps_bfloat16_bits(tmp_path, monkeypatch):
     np.testing.assert_array_equal(params["model.norm.weight"], ckpt["model.norm.weight"])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "ernie45_moe", "paddle:ernie45", "tp:qwen2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "ernie45_moe", "paddle:ernie45", "paddle:ernie45_moe", "tp:qwen2"])
 def test_emulated_gpu_loader_matches_the_cpu_loader(model_dirs, tmp_path, family, monkeypatch):
-    """Everything that is not one plain copy per tensor: experts assembled on the host ([E, in, out]), a Paddle
+    """Everything that is not one plain copy per Hugging Face tensor: experts from a Paddle checkpoint, a Paddle
     checkpoint ([in, out], fused, transposed and ERNIE's rows reordered with numpy), a float32 checkpoint into
     a bfloat16 model, and a tensor-parallel rank's slices with the zero rows past the vocabulary."""
     from hf_models import save_paddle_layout

@@ -512,6 +512,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "gpu-moe-drops-correction-bias",
+        "The GPU MoE layer routes without ERNIE's score-correction bias",
+        (Edit("fdlite/layers/moe.py",
+              "                                         self.e_score_correction_bias, balanced=_BALANCED[\"on\"])",
+              "                                         None, balanced=_BALANCED[\"on\"])  # MUTATION"),),
+        ("tests/test_moe_gpu_path.py::test_emulated_gpu_moe_models_give_the_cpu_tokens",),
+        "new",
+    ),
+    Mutation(
         "async-waits-for-the-ids-copy",
         "Async scheduling's step thread waits for the sampled ids' copy before it can launch the next step",
         (Edit("fdlite/runner/engine.py",

@@ -74,7 +74,7 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fdl_memcpy_d2h_async": (_int, [_vp, _vp, _size, _vp, _vp]),
     "fdl_event_synchronize": (_int, [_vp]),
 }
-ABI_VERSION = 6  # fdl_ops_abi_version() of the sources this module speaks to
+ABI_VERSION = 7  # fdl_ops_abi_version() of the sources this module speaks to (7: the MoE ops)
 
 
 def load(path: str | None = None) -> str:
@@ -410,6 +410,72 @@ def logprobs(logits, rows, targets, target_of, k: int):
     return _run("fdl_logprobs", logits, rows, targets, target_of, int(k))[0]
 
 
+# ------------------------------------------------------------------ (h) mixture of experts (ops_moe*.cu)
+MOE_MAX_EXPERTS = 1024
+MOE_BLOCK_M = (0, 16, 64)  # 0: the kernels choose (16 while experts average at most 16 rows, else 64)
+
+
+def moe_route(logits, top_k: int, renormalize: bool, norm_min: float = 0.0, correction_bias=None,
+              balanced: bool = False):
+    """Router logits [T, E] (the gate's dtype) -> (ids [T, top_k] int32, weights [T, top_k] float32): fp32 softmax,
+    the top_k of the scores (+ correction_bias [E] or [1, E] float32, for choosing only; equal values to the lower
+    id), weights the plain scores, divided by their sum (floored at norm_min > 0) with renormalize. balanced: the
+    profiling run's round-robin routing (`fdlite.layers.moe.balanced_routing`). See ops_moe_route.cu."""
+    _check(logits, "logits", FLOAT_DTYPES, ndim=2)
+    if _checks:
+        e = logits.shape[1]
+        if not 1 <= e <= MOE_MAX_EXPERTS or not 1 <= int(top_k) <= e:
+            raise GpuOpsError(f"moe_route: need 1 <= top_k ({top_k}) <= E ({e}) <= {MOE_MAX_EXPERTS}")
+    has_bias = correction_bias is not None
+    if has_bias:
+        _check(correction_bias, "correction_bias", ("float32",))
+        if _checks and int(np.prod(correction_bias.shape)) != logits.shape[1]:
+            raise GpuOpsError(f"moe_route: correction_bias has {list(correction_bias.shape)}, want E = {logits.shape[1]}")
+    return tuple(_run("fdl_moe_route", logits, correction_bias if has_bias else logits, int(top_k), bool(renormalize),
+                      float(norm_min), has_bias, bool(balanced)))
+
+
+def _check_block_m(block_m: int) -> None:
+    if _checks and block_m not in MOE_BLOCK_M:
+        raise GpuOpsError(f"block_m must be one of {MOE_BLOCK_M}, got {block_m}")
+
+
+def moe_align(ids, num_experts: int, block_m: int = 0):
+    """(sorted_rows, tile_expert) int32 for ids [T, k] int32: the choices t k + j sorted by expert, each expert's
+    rows padded with -1 to a multiple of the M tile, and each tile's expert (-1 past the last). What
+    `moe_experts` does first; for checks (ops_moe.cu, moe_align.cuh)."""
+    _check(ids, "ids", ("int32",), ndim=2)
+    _check_block_m(block_m)
+    if _checks and not 1 <= num_experts <= MOE_MAX_EXPERTS:
+        raise GpuOpsError(f"moe_align: num_experts must be in [1, {MOE_MAX_EXPERTS}], got {num_experts}")
+    return tuple(_run("fdl_moe_align", ids, int(num_experts), int(block_m)))
+
+
+def moe_experts(x, ids, weights, w13, w2, block_m: int = 0):
+    """The routed experts: out [T, H] = sum over j of weights[t, j] * expert ids[t, j]'s SwiGLU MLP of x[t].
+    x [T, H]; ids [T, k] int32, weights [T, k] float32 (`moe_route`); w13 [E, 2I, H] (each expert's gate rows
+    then up rows) and w2 [E, H, I]: [E, out, in], x's dtype; H and I multiples of 8. See ops_moe.cu."""
+    _check(x, "x", FLOAT_DTYPES, ndim=2)
+    _check(ids, "ids", ("int32",), ndim=2)
+    _check(weights, "weights", ("float32",), ndim=2)
+    _check(w13, "w13", (_dtype(x),), ndim=3)
+    _check(w2, "w2", (_dtype(x),), ndim=3)
+    _check_block_m(block_m)
+    if _checks:
+        t, h = x.shape
+        e, i2, h13 = w13.shape
+        if (list(ids.shape) != list(weights.shape) or ids.shape[0] != t or h13 != h or i2 % 2
+                or list(w2.shape) != [e, h, i2 // 2]):
+            raise GpuOpsError(f"moe_experts: shapes x {list(x.shape)}, ids {list(ids.shape)}, weights "
+                              f"{list(weights.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)}: want x [T, H], ids "
+                              "and weights [T, k], w13 [E, 2I, H], w2 [E, H, I]")
+        if h % 8 or (i2 // 2) % 8 or not i2:
+            raise GpuOpsError(f"moe_experts: the hidden size ({h}) and expert width ({i2 // 2}) must be multiples of 8")
+        if not 1 <= e <= MOE_MAX_EXPERTS:
+            raise GpuOpsError(f"moe_experts: at most {MOE_MAX_EXPERTS} experts, got {e}")
+    return _run("fdl_moe_experts", x, ids, weights, w13, w2, int(block_m))[0]
+
+
 def to_host(x) -> np.ndarray:
     """A device tensor's values on the host (a blocking copy): every device-to-host copy of the sampler goes
     through here or `PinnedCopies`, so the emulated GPU path can count them."""
@@ -478,4 +544,4 @@ __all__ = ["load", "capi", "GpuOpsError", "set_checks", "fill_", "cast_", "cast"
            "current_stream_handle", "gather_rows", "embedding", "rms_norm",
            "fused_add_rms_norm_", "silu_and_mul", "linear", "rope_qk_norm_cache", "paged_attention",
            "lm_head_logits", "argmax", "sample", "uniform", "apply_penalties_", "scatter_", "apply_bitmask_", "logprobs",
-           "to_host"]
+           "moe_route", "moe_align", "moe_experts", "to_host"]

@@ -12,16 +12,24 @@ and each expert with tokens runs two matmuls on its slice. The Python loop is ov
 `num_experts`, and only those that got tokens this step), never over tokens. The results are put back
 in token order by the inverse permutation and summed over each token's k choices.
 
-Weights are stored per expert in the [in, out] layout of `Linear`: `gate_up_proj` [E, hidden, 2 * I]
-(gate columns first), `down_proj` [E, I, hidden], I being this rank's share of the expert width:
-tensor parallelism splits every expert's intermediate dimension like a dense MLP's, so each rank
-returns a partial sum (expert parallelism, whole experts per rank, can come later).
+Weights are stacked per expert in the device's orientation of `Linear` (`weight_out_in`), I being this
+rank's share of the expert width (tensor parallelism splits every expert's intermediate dimension like a
+dense MLP's, so each rank returns a partial sum; expert parallelism, whole experts per rank, can come later):
+- CPU: [in, out]: `gate_up_proj` [E, hidden, 2 * I] (gate columns first), `down_proj` [E, I, hidden], what
+  Paddle's CPU matmul takes without a transposed copy;
+- GPU: [out, in]: `gate_up_proj` [E, 2 * I, hidden] (gate rows first), `down_proj` [E, hidden, I]. The
+  grouped GEMMs (`fdlite/kernels/csrc/ops_moe.cu`) read an expert's weights as whole rows of K (16-byte
+  copies into shared memory, fed to the tensor cores without a transpose), as the decode GEMV reads the
+  dense [out, in] weights; and the loader copies each expert tensor of a Hugging Face checkpoint ([out, in]
+  already) straight to its rows of the stacked parameter, with no host assembly.
 
-GPU: fdlite has no MoE kernel yet; `forward_gpu` refuses (fdlite's GPU path never runs Paddle's
-built-in kernels, which do nothing on the lent Hoppers).
+GPU (`forward_gpu`): fdlite's own kernels only (Paddle's built-in kernels do nothing on the lent Hoppers):
+the gate through `Linear`, then `gpu.moe_route` (fp32 softmax, top-k, weights) and `gpu.moe_experts`
+(tokens sorted by expert on the device, two grouped GEMMs, the weighted sum per token). No host read: the
+step is one CUDA graph whatever the routing, and `last_counts` / `balanced_counts` stay None on the GPU.
 
-`balanced_routing()`: the startup profiling run routes tokens round-robin to every expert, so the
-memory peak it measures is that of all experts active (a dummy batch of one token id would otherwise
+`balanced_routing()`: the startup profiling run routes tokens round-robin to every expert (on the GPU too:
+the route kernel's `balanced` mode), so the memory peak it measures is that of all experts active (a dummy batch of one token id would otherwise
 route every token to the same k experts).
 """
 
@@ -33,6 +41,8 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from fdlite.kernels import gpu as gpu_ops
+from fdlite.kernels import platform
 from fdlite.kernels.custom_op import CustomOp
 from fdlite.layers.linear import Linear
 
@@ -69,8 +79,12 @@ class FusedMoE(CustomOp):
         self.gate_dtype = gate_dtype or dtype
         self._cast_for_gate = self.gate_dtype != dtype
         self.gate = Linear(hidden_size, num_experts, False, self.gate_dtype)
-        self.gate_up_proj = self.create_parameter([num_experts, hidden_size, 2 * intermediate_size], dtype=dtype)
-        self.down_proj = self.create_parameter([num_experts, intermediate_size, hidden_size], dtype=dtype)
+        self.weight_out_in = platform.is_gpu()  # the stacked experts' orientation (module docstring)
+        up, down = [hidden_size, 2 * intermediate_size], [intermediate_size, hidden_size]
+        if self.weight_out_in:
+            up, down = up[::-1], down[::-1]
+        self.gate_up_proj = self.create_parameter([num_experts, *up], dtype=dtype)
+        self.down_proj = self.create_parameter([num_experts, *down], dtype=dtype)
         self.e_score_correction_bias = (self.create_parameter([1, num_experts], dtype="float32", is_bias=True)
                                         if correction_bias else None)
         # Token choices per expert in the last forward, and in the last balanced (profiling) one: for checks.
@@ -117,6 +131,8 @@ class FusedMoE(CustomOp):
         return y.reshape([t, k, -1]).sum(axis=1)
 
     def forward_gpu(self, x: paddle.Tensor) -> paddle.Tensor:
-        raise NotImplementedError(
-            "FusedMoE (fdlite/layers/moe.py) has no GPU kernel yet: mixture-of-experts models "
-            "(Ernie4_5_MoeForCausalLM, Qwen3MoeForCausalLM) run on device='cpu' only for now")
+        h = gpu_ops.cast(x, self.gate_dtype) if self._cast_for_gate else x
+        logits = self.gate(h)  # [T, E] in the gate's dtype, widened to fp32 inside the route kernel
+        ids, weights = gpu_ops.moe_route(logits, self.top_k, self.renormalize, self.norm_min,
+                                         self.e_score_correction_bias, balanced=_BALANCED["on"])
+        return gpu_ops.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj)

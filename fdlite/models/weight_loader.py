@@ -8,8 +8,8 @@ fused tensors split into their parts), then both follow one route; shapes are ch
 checkpoint's own orientation and a mismatch names the tensor and the layout.
 
 MoE checkpoints store one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...); each lands in its
-slice [e] of the [experts, in, out] parameters of `fdlite/layers/moe.py`, each rank reading its columns of
-every expert. ERNIE's q/k rows are reordered within each head (`_deinterleave`, see
+slice [e] of the stacked parameters of `fdlite/layers/moe.py` ([experts, in, out] on CPU, [experts, out, in]
+on GPU: `FusedMoE.weight_out_in`), each rank reading its columns of every expert. ERNIE's q/k rows are reordered within each head (`_deinterleave`, see
 `DecoderSpec.rope_interleaved`).
 
 Checkpoint names map onto the model's parameters one to one, except that q/k/v and gate/up are
@@ -29,8 +29,9 @@ nowhere else:
   Paddle op (on the Hoppers Paddle's kernels do nothing). Only where the bytes differ from the
   parameter's is a host array made first, with numpy: another dtype (`_convert`), a Paddle-layout
   ([in, out]) weight transposed, ERNIE's q/k rows reordered. The copies of one checkpoint tensor go in
-  one `copy_from_host_many` call. Parameters whose pieces are not whole rows (the MoE experts' [E, in,
-  out]) are assembled on the host, then copied once.
+  one `copy_from_host_many` call. The MoE experts ([E, out, in] on the GPU) are whole rows too: each expert's
+  gate, up and down rows land at their offset in the stacked parameter. Parameters whose pieces are not whole
+  rows are assembled on the host, then copied once.
 - CPU: numpy writes each piece straight into the parameter's memory (a DLPack view), converting
   bfloat16 bits to float32 and transposing [out, in] to [in, out] in the same pass (in column blocks,
   cache-friendly), on a few threads (numpy releases the GIL).
@@ -59,6 +60,7 @@ import paddle
 from fdlite.kernels import gpu as gpu_ops
 from fdlite.kernels import platform
 from fdlite.layers.linear import Linear
+from fdlite.layers.moe import FusedMoE
 from fdlite.layers.rotary import host_bits
 from fdlite.models.decoder import DecoderForCausalLM
 from fdlite.models.tp_partition import TPPartition
@@ -278,9 +280,9 @@ def detect_layout(files: list, model: DecoderForCausalLM, linear_params: dict[st
 
 def _expected(r: Route, param: paddle.Tensor, linear: bool, out_in: bool = False) -> list[int]:
     """The checkpoint tensor's full shape in Hugging Face orientation ([out, in] for linear weights).
-    out_in: the parameter is stored [out, in] already (`Linear.weight_out_in`)."""
+    out_in: the parameter is stored [out, in] already (`Linear.weight_out_in`, `FusedMoE.weight_out_in`)."""
     local = list(param.shape)[1:] if r.expert else list(param.shape)
-    if (linear and not out_in) or r.expert:
+    if (linear or r.expert) and not out_in:
         local = local[::-1]
     if r.axis is not None:
         local[r.axis] = r.full
@@ -516,9 +518,11 @@ class _DeviceWriter(_Writer):
 def load_weights(model: DecoderForCausalLM, path: str) -> None:
     """Fill every parameter of `model` from the checkpoint in `path` (either layout, detected; see `Layout`)."""
     params = dict(model.named_parameters())
-    # linear weight -> stored [out, in] (the GPU's orientation) rather than [in, out]
+    # linear weight, or stacked expert weight -> stored [out, in] (the GPU's orientation) rather than [in, out]
     linear_params = {f"{name}.weight": layer.weight_out_in for name, layer in model.named_sublayers()
                      if isinstance(layer, Linear)}
+    linear_params.update({f"{name}.{w}": layer.weight_out_in for name, layer in model.named_sublayers()
+                          if isinstance(layer, FusedMoE) for w in ("gate_up_proj", "down_proj")})
     expert_params = {name for name in params if name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     files = [SafetensorsFile(f) for f in weight_files(path)]
     layout = detect_layout(files, model, linear_params)
@@ -538,8 +542,8 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
             pending[name] = {(e, i): f"{base}experts.{e}.{k}_proj.weight"
                              for e in range(params[name].shape[0]) for i, k in enumerate(kinds)}
     offsets = _piece_offsets(pending, model)
-    # stored [in, out]: CPU linear weights and the experts; the output axis is then the last
-    in_out = {name: (name in linear_params and not linear_params[name]) or name in expert_params for name in params}
+    # stored [in, out]: CPU linear weights and experts; the output axis is then the last
+    in_out = {name: name in linear_params and not linear_params[name] for name in params}
     gpu = platform.is_gpu()
     writer = _DeviceWriter(params) if gpu else _HostWriter(params)
 

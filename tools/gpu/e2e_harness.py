@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "latency", "diag", "breakdown", "sampling", "churn",
-                                    "sampling_checks", "memory", "profile"])
+                                    "sampling_checks", "memory", "profile", "moe"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
@@ -84,7 +84,13 @@ def run(name, fn):
 # Shapes the GPU kernels take (head_dim 64/128), small enough for fast references: GQA, every family's switch.
 GPU_BASE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-FAMILY_OVERRIDES = {"qwen2": {}, "qwen3": dict(head_dim=128), "llama": {}, "ernie45": dict(head_dim=64)}
+FAMILY_OVERRIDES = {"qwen2": {}, "qwen3": dict(head_dim=128), "llama": {}, "ernie45": dict(head_dim=64),
+                    # MoE (the `moe` section): ERNIE-4.5-21B-A3B's pattern (dense layers 0 and 2, MoE 1 and 3, 3 of 8
+                    # experts, 2 shared, fp32 router with a correction bias); Qwen3-30B-A3B's (dense layer 0, 4 of 16,
+                    # renormalised); expert widths the kernels' tiles do not divide
+                    "ernie45_moe": dict(head_dim=64, num_hidden_layers=4, moe_intermediate_size=72),
+                    "qwen3_moe": dict(head_dim=128, num_hidden_layers=3, num_experts=16, num_experts_per_tok=4,
+                                      moe_intermediate_size=40)}
 
 
 def small_model(family: str) -> str:
@@ -303,7 +309,8 @@ def parity_case(family: str) -> dict:
 
     path = small_model(family)
     max_new = 16
-    prompts = mixed_prompts(16 if ARGS.quick else 64, seed={"qwen2": 1, "qwen3": 2, "llama": 3, "ernie45": 4}[family],
+    prompts = mixed_prompts(16 if ARGS.quick else 64, seed={"qwen2": 1, "qwen3": 2, "llama": 3, "ernie45": 4,
+                                                            "ernie45_moe": 5, "qwen3_moe": 6}[family],
                             vocab=1024, max_len=600)
     ref, gaps = hf_greedy(path, prompts, max_new, "float32")
     # 16 at a time out of 64; a 256-token step budget (chunked prefill of the long prompts); 160 blocks of 16
@@ -1329,11 +1336,65 @@ def section_sampling_checks():
         run(f"logprobs_vs_transformers_{fam}", logprobs_case(fam))
 
 
+# ---- mixture of experts (issue 26): parity, graphs, bf16 ---------------------------------------------
+
+def section_moe():
+    """ERNIE-4.5-MoE and Qwen3-MoE (small random models, FAMILY_OVERRIDES): fp32 greedy token-identical to
+    transformers fp32 with chunked prefill, preemption and prefix hits (`parity_case`); CUDA graphs = eager over a
+    few hundred decode steps and over a churning job whose steps replay token-count graphs (the MoE kernels'
+    grids fixed per size, the routing different at each replay); bf16 prefill logprobs within twice transformers'
+    own bf16 error (`bf16_case`)."""
+    from fdlite import SamplingParams  # noqa: PLC0415
+
+    fams = ("ernie45_moe", "qwen3_moe")
+    for fam in fams:
+        run(f"fp32_greedy_{fam}", lambda f=fam: parity_case(f))
+
+    def decode_case(family):
+        def f():
+            path = small_model(family)
+            rng = np.random.default_rng(21)
+            prompts = [rng.integers(3, 1024, size=int(k)).tolist() for k in (5, 40, 100, 17, 64, 250)]
+            steps = [400, 350, 300, 200, 100, 50]  # the batch shrinks: padded sizes 8, 4, 2, 1
+            params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in steps]
+            common = dict(device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=8, block_size=16,
+                          max_model_len=1024, num_gpu_blocks_override=400)
+            want, got, st, llm = eager_then_graphs(path, prompts, params, **common)
+            res = {"identical": got == want, "steps": st.get("num_steps"), "cudagraph_replays": st.get("cudagraph_replays"),
+                   "padded_replays": st.get("cudagraph_padded_replays"), "startup": llm.startup_report}
+            res["pass"] = bool(res["identical"] and (res["cudagraph_replays"] or 0) >= 390
+                               and (res["padded_replays"] or 0) > 0)
+            return res
+        return f
+
+    def mixed_case(family):
+        def f():
+            path = small_model(family)
+            rng = np.random.default_rng(22)
+            prompts = [rng.integers(3, 1024, size=int(k)).tolist() for k in rng.integers(100, 600, size=40)]
+            params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(4, 30, 40)]
+            common = dict(device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4, block_size=16,
+                          max_model_len=1024, max_num_batched_tokens=64, num_gpu_blocks_override=300)
+            want, got, st, llm = eager_then_graphs(path, prompts, params, **common)
+            res = {"identical": got == want, "steps": st["num_steps"], "cudagraph_replays": st["cudagraph_replays"],
+                   "mixed_replays": st["cudagraph_mixed_replays"]}
+            res["pass"] = bool(res["identical"] and st["cudagraph_mixed_replays"] >= 0.5 * st["num_steps"])
+            return res
+        return f
+
+    for fam in fams:
+        run(f"graphs_decode_{fam}", decode_case(fam))
+        run(f"graphs_mixed_{fam}", mixed_case(fam))
+    if FDL_DEVICE == "gpu" and not ARGS.skip_bf16:
+        for fam in fams:
+            run(f"bf16_{fam}", lambda f=fam: bf16_case(f))
+
+
 if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
      "throughput": section_throughput, "latency": section_latency, "diag": section_diag, "breakdown": section_breakdown,
      "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn, "memory": section_memory,
-     "profile": section_profile}[ARGS.section]()
+     "profile": section_profile, "moe": section_moe}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))

@@ -41,6 +41,8 @@ ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.
 ap.add_argument("--quick", action="store_true", help="fewer shapes, no long contexts")
 ap.add_argument("--no-bench", action="store_true")
 ap.add_argument("--only", default="", help="comma-separated benchmark names: skip the checks, run only these")
+ap.add_argument("--checks", default="", help="comma-separated name prefixes: run only the checks whose name starts "
+                "with one (e.g. moe,graph: moe); with --only, these checks run too")
 ap.add_argument("--lib", default=None, help="prebuilt library (default: build into the cache)")
 ARGS = ap.parse_args()
 os.makedirs(ARGS.out, exist_ok=True)
@@ -59,7 +61,10 @@ def save():
 
 def check(name, fn):
     """fn() -> (ok: bool, err: float, tol: float, detail: str)."""
-    if ARGS.only:
+    if ARGS.checks:
+        if not name.startswith(tuple(p.strip() for p in ARGS.checks.split(","))):
+            return True
+    elif ARGS.only:
         return True
     t = time.time()
     try:
@@ -1122,6 +1127,12 @@ def t_graph_basic():
 
 
 check("graph: fill_, cast_, copy_ from pinned host memory", t_graph_basic)
+
+# ================================================================== mixture of experts (ops_moe*.cu)
+log("\n=== mixture of experts: route, align, grouped expert GEMMs")
+import ops_harness_moe  # noqa: E402 - tools/gpu/ is this script's folder
+
+ops_harness_moe.checks(sys.modules[__name__])
 save()
 n_fail = sum(c["status"] != "pass" for c in RES["checks"])
 log(f"\nCHECKS: {len(RES['checks'])} run, {n_fail} not passing ({time.time() - T0:.0f} s)")
@@ -1319,7 +1330,9 @@ if not ARGS.no_bench:
     benches = (("attention_decode", bench_attn_decode), ("attention_prefill", bench_attn_prefill),
                ("attention_decode_splits", lambda: bench_attn_decode((64, 128, 192, 256), (0, 1, 2, 3, 4, 5, 6, 8))),
                ("gemm", bench_gemm), ("elementwise", bench_small), ("sampling", bench_sampling),
-               ("host_overhead", bench_host))
+               ("host_overhead", bench_host),
+               ("moe_decode", lambda: ops_harness_moe.bench_decode(sys.modules[__name__])),
+               ("moe_prefill", lambda: ops_harness_moe.bench_prefill(sys.modules[__name__])))
     for name, fn in benches:
         if (ARGS.only and name not in ARGS.only.split(",")) or (not ARGS.only and name == "attention_decode_splits"):
             continue

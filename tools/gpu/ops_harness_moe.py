@@ -1,0 +1,232 @@
+"""The mixture-of-experts part of tools/gpu/ops_harness.py: checks of fdl_moe_route, fdl_moe_align and
+fdl_moe_experts (fdlite/kernels/csrc/ops_moe*.cu) against the numpy contracts in tests/moe_ref.py, and the
+MoE layer micro-benchmark. `checks(h)` and `bench_*(h)` take the harness module (its `check`, `to_gpu`, `q`,
+`relerr`, `graph_time_us`, ...), so the helpers are not written twice.
+
+    python3 tools/gpu/ops_harness.py --checks moe --no-bench          # the checks only
+    python3 tools/gpu/ops_harness.py --only moe_decode,moe_prefill    # the benchmarks only
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("moe_ref", ROOT / "tests" / "moe_ref.py")
+ref = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ref)
+
+# (name, hidden, expert width, experts, top_k, shared-expert width): the two full-size shapes of issue 26
+SHAPES = [("Qwen3-30B-A3B", 2048, 768, 128, 8, 0), ("ERNIE-4.5-21B-A3B", 2560, 1536, 64, 6, 2 * 1536)]
+
+
+def routing(kind: str, T: int, E: int, k: int, rng) -> np.ndarray:
+    """ids [T, k] int32, distinct per token: uniform random; `uneven` (most tokens on experts 0..k-1, expert E - 1
+    never); `one` (every token the same k experts); `idle` (random over E - 2 experts: two experts get nothing)."""
+    if kind == "one":
+        return np.tile(np.arange(k, dtype=np.int32), (T, 1))
+    pool = E - 2 if kind == "idle" and E - 2 >= k else (E - 1 if kind == "uneven" and E - 1 >= k else E)
+    ids = np.stack([rng.choice(pool, k, replace=False) for _ in range(T)]).astype(np.int32)
+    if kind == "uneven":
+        ids[: (3 * T) // 4] = np.arange(k, dtype=np.int32)
+    return ids
+
+
+def checks(h) -> None:
+    G, rng, check, to_gpu, to_np, q, relerr, sync = h.G, h.rng, h.check, h.to_gpu, h.to_np, h.q, h.relerr, h.sync
+
+    def t_route(T, E, k, dt, bias, renorm, ties=False):
+        def f():
+            logits = rng.integers(0, 3, (T, E)).astype(np.float32) if ties else q(rng.standard_normal((T, E)) * 2, dt)
+            b = (rng.standard_normal(E) * 0.05).astype(np.float32) if bias else None
+            norm_min = 1e-12 if renorm else 0.0
+            ids, w = G.moe_route(to_gpu(logits, dt), k, renorm, norm_min, None if b is None else to_gpu(b, "float32"))
+            sync()
+            gi, gw = to_np(ids), to_np(w)
+            ri, rw = ref.route(logits, k, renorm, norm_min, b)
+            choose = ref.route(logits, E, False, 0.0, b)  # every expert, to read the choosing values
+            cval = np.zeros((T, E), np.float64)
+            np.put_along_axis(cval, choose[0].astype(np.int64), choose[1], axis=1)
+            if b is not None:
+                cval += b
+            bad = np.flatnonzero((gi != ri).any(axis=1))
+            # a swap of two experts whose choosing values differ by float32 rounding only is not an error (ties: none)
+            near = [r for r in bad if not ties and np.allclose(np.sort(cval[r, gi[r]]), np.sort(cval[r, ri[r]]), atol=1e-6)]
+            wrong = sorted(set(bad) - set(near))
+            err = relerr(gw[[r for r in range(T) if r not in bad]], rw[[r for r in range(T) if r not in bad]]) if T > len(bad) else 0.0
+            ok = not wrong and err <= 2e-6 and gi.dtype == np.int32
+            return ok, err, 2e-6, f"rows with other ids: {wrong[:5]} (near-ties {len(near)})"
+        return f
+
+    for dt in h.DTYPES:
+        for T, E, k in ((1, 8, 2), (17, 64, 6), (1000, 128, 8)):
+            for bias, renorm in ((False, True), (True, True), (False, False)):
+                check(f"moe_route {dt} T={T} E={E} k={k} bias={bias} renormalize={renorm}", t_route(T, E, k, dt, bias, renorm))
+    check("moe_route float32 exact ties -> lower expert ids, T=64 E=64 k=8", t_route(64, 64, 8, "float32", False, True, True))
+    check("moe_route bfloat16 exact ties (bf16 logits) T=64 E=128 k=8", t_route(64, 128, 8, "bfloat16", False, False, True))
+
+    def t_align(T, E, k, bm, kind):
+        def f():
+            ids = routing(kind, T, E, k, rng)
+            rows, tiles = G.moe_align(to_gpu(ids, "int32"), E, bm)
+            sync()
+            gr, gt = to_np(rows), to_np(tiles)
+            bm_ = bm or ref.block_m(T * k, E)
+            rr, rt = ref.align(ids, E, bm_)
+            if gr.shape != rr.shape or gt.shape != rt.shape:
+                return False, math.inf, 0, f"shapes {gr.shape} {gt.shape} vs {rr.shape} {rt.shape}"
+            real = np.repeat(rt >= 0, bm_)
+            ok = np.array_equal(gt, rt) and np.array_equal(gr[real], rr[real])
+            return ok, 0.0 if ok else math.inf, 0, f"BM={bm_}, {int((rt >= 0).sum())} of {len(rt)} tiles real"
+        return f
+
+    for T, E, k in ((1, 8, 1), (3, 8, 2), (17, 64, 8), (256, 64, 6), (1000, 128, 8), (4096, 128, 8)):
+        for bm in (0, 16, 64):
+            for kind in ("random", "uneven", "one", "idle"):
+                check(f"moe_align T={T} E={E} k={k} block_m={bm} routing={kind}", t_align(T, E, k, bm, kind))
+
+    def t_experts(T, E, k, H, I, dt, kind, bm=0):
+        def f():
+            ids = routing(kind, T, E, k, rng)
+            w = rng.random((T, k)).astype(np.float32)
+            x = q(rng.standard_normal((T, H)), dt)
+            w13 = q(rng.standard_normal((E, 2 * I, H)) / math.sqrt(H), dt)
+            w2 = q(rng.standard_normal((E, H, I)) / math.sqrt(I), dt)
+            out = G.moe_experts(to_gpu(x, dt), to_gpu(ids, "int32"), to_gpu(w, "float32"), to_gpu(w13, dt), to_gpu(w2, dt), bm)
+            sync()
+            got = to_np(out)
+            want = ref.experts(x, ids, w, w13, w2, rnd=(lambda a: a) if dt == "float32" else (lambda a: q(a, dt).astype(np.float64)))
+            err = relerr(got, want)
+            tol = h.TOL[dt] * (1 if dt == "float32" else 2)
+            return err <= tol, err, tol, f"BM={bm or ref.block_m(T * k, E)}"
+        return f
+
+    for dt in h.DTYPES:
+        for T in (1, 3, 17, 256, 1000):
+            for E, k in ((8, 1), (8, 2), (64, 8)):
+                kind = ("random", "uneven", "idle")[T % 3]
+                check(f"moe_experts {dt} T={T} E={E} k={k} H=256 I=128 routing={kind}", t_experts(T, E, k, 256, 128, dt, kind))
+        check(f"moe_experts {dt} odd tiles H=136 I=40 T=29 E=8 k=2", t_experts(29, 8, 2, 136, 40, dt, "uneven"))
+        for bm in (16, 64):
+            check(f"moe_experts {dt} forced block_m={bm} T=300 E=8 k=2 routing=one", t_experts(300, 8, 2, 64, 32, dt, "one", bm))
+        check(f"moe_experts {dt} Qwen3-30B-A3B widths T=33 (2048/768, E=16, k=8)", t_experts(33, 16, 8, 2048, 768, dt, "random"))
+
+    def t_row_alone(dt, E=64, k=6, H=256, I=128):
+        """A token's output alone equals its row in a batch of 300, bitwise (BM 16 vs 64: the same K order)."""
+        def f():
+            T = 300
+            ids = routing("random", T, E, k, rng)
+            w = rng.random((T, k)).astype(np.float32)
+            x = q(rng.standard_normal((T, H)), dt)
+            w13 = to_gpu(q(rng.standard_normal((E, 2 * I, H)) / 16, dt), dt)
+            w2 = to_gpu(q(rng.standard_normal((E, H, I)) / 12, dt), dt)
+            full = to_np(G.moe_experts(to_gpu(x, dt), to_gpu(ids, "int32"), to_gpu(w, "float32"), w13, w2))
+            rows = [0, 7, 299]
+            alone = np.stack([to_np(G.moe_experts(to_gpu(x[r:r + 1], dt), to_gpu(ids[r:r + 1], "int32"),
+                                                  to_gpu(w[r:r + 1], "float32"), w13, w2))[0] for r in rows])
+            ok = np.array_equal(alone, full[rows])
+            return ok, 0.0 if ok else relerr(alone, full[rows]), 0, "rows 0, 7, 299"
+        return f
+
+    for dt in h.DTYPES:
+        check(f"moe_experts {dt}: a token alone = in a batch of 300, bitwise", t_row_alone(dt))
+
+    def t_graph(dt, T=17, E=64, k=8, H=256, I=128):
+        """route + experts captured once, replayed on three new routings (new logits written in place): each replay
+        equals the eager ops on the same inputs, bitwise; the routings differ (different experts, tiles)."""
+        def f():
+            x = to_gpu(q(rng.standard_normal((T, H)), dt), dt)
+            lg = to_gpu(q(rng.standard_normal((T, E)), dt), dt)
+            w13 = to_gpu(q(rng.standard_normal((E, 2 * I, H)) / 16, dt), dt)
+            w2 = to_gpu(q(rng.standard_normal((E, H, I)) / 12, dt), dt)
+            bias = to_gpu((rng.standard_normal(E) * 0.05).astype(np.float32), "float32")
+            res = {}
+
+            def body():
+                ids, w = G.moe_route(lg, k, True, 1e-12, bias)
+                res["ids"], res["out"] = ids, G.moe_experts(x, ids, w, w13, w2)
+            body()
+            sync()
+            g = h.CUDAGraph()
+            g.capture_begin()
+            body()
+            g.capture_end()
+            ok, seen = True, []
+            for i in range(3):
+                new = q(rng.standard_normal((T, E)) * (1 + i), dt)
+                new[:, : 4 * i] += 5  # later routings pile onto a few experts
+                G.copy_(lg, to_gpu(new, dt))
+                g.replay()
+                sync()
+                got, gids = to_np(res["out"]), to_np(res["ids"])
+                ids, w = G.moe_route(lg, k, True, 1e-12, bias)
+                want = to_np(G.moe_experts(x, ids, w, w13, w2))
+                sync()
+                ok &= bool(np.array_equal(got, want)) and bool(np.array_equal(gids, to_np(ids)))
+                seen.append(np.bincount(gids.reshape(-1), minlength=E).max())
+            g.reset()
+            return ok, 0.0 if ok else math.inf, 0, f"largest expert per replay: {seen}"
+        return f
+
+    for dt in h.DTYPES:
+        check(f"graph: moe_route + moe_experts {dt}, 3 replays with new routings = eager", t_graph(dt))
+
+
+def _layer_case(h, name, H, I, E, k, shared, T, sets=4):
+    """One MoE layer (gate GEMM + route + experts, + the shared-expert MLP when the model has one) at T tokens:
+    GPU time per call from graph replays, cycling `sets` random router inputs so the experts touched differ."""
+    G, rng, to_gpu, empty = h.G, h.rng, h.to_gpu, h.empty
+    dt = "bfloat16"
+    xs = [to_gpu(rng.standard_normal((T, H)) * 0.5, dt) for _ in range(sets)]
+    gate = to_gpu(rng.standard_normal((E, H)) * 0.05, dt)
+    w13, w2 = empty([E, 2 * I, H], dt), empty([E, H, I], dt)
+    G.fill_(w13, 0.01)
+    G.fill_(w2, 0.01)
+    sh = None
+    if shared:
+        sh = (empty([2 * shared, H], dt), empty([H, shared], dt))
+        G.fill_(sh[0], 0.01)
+        G.fill_(sh[1], 0.01)
+    i = [0]
+
+    def fn():
+        x = xs[i[0] % sets]
+        ids, w = G.moe_route(G.linear(x, gate, None, True, static_w=True), k, True, 1e-12)
+        G.moe_experts(x, ids, w, w13, w2)
+        if sh is not None:
+            G.linear(G.silu_and_mul(G.linear(x, sh[0], None, True, static_w=True)), sh[1], None, True, static_w=True)
+        i[0] += 1
+    us = h.graph_time_us(fn, per_graph=2 * sets, replays=5)
+    # what a step must move: the touched experts' weights (counted from the routings), the shared MLP, activations
+    touched = []
+    for x in xs:
+        ids, _ = G.moe_route(G.linear(x, gate, None, True, static_w=True), k, True, 1e-12)
+        touched.append(len(np.unique(h.to_np(ids))))
+    n_touched = float(np.mean(touched))
+    wbytes = n_touched * 3 * H * I * 2 + (3 * H * shared * 2 if shared else 0) + E * H * 2
+    abytes = T * H * 2 * 2 + T * k * (2 * I + 2 * H) * 2  # x, out; act and y written and read
+    flops = 2 * T * (E * H + k * 3 * H * I + 3 * H * shared)
+    roof = max((wbytes + abytes) / h.HBM, flops / PEAK_BF16)
+    row = {"model": name, "T": T, "us": round(us, 1), "tokens_per_s": round(T / us * 1e6),
+           "experts_touched": round(n_touched, 1), "GB_s": round((wbytes + abytes) / us / 1e3),
+           "TFLOP_s": round(flops / us / 1e6, 1), "roofline_us": round(roof * 1e6, 1),
+           "frac_of_roofline": round(roof * 1e6 / us, 3)}
+    h.log(f"  moe layer {name:18s} T={T:5d}: {us:9.1f} us {row['tokens_per_s']:9d} tok/s {row['GB_s']:6d} GB/s "
+          f"{row['TFLOP_s']:6.1f} TFLOP/s, {n_touched:5.1f} experts; roofline {row['roofline_us']} us "
+          f"({row['frac_of_roofline']:.0%})")
+    return row
+
+
+PEAK_BF16 = 989e12  # H100 SXM dense bf16 (wgmma); mma.sync kernels reach a fraction of it
+
+
+def bench_decode(h):
+    """Decode-like token counts on the two full-size layer shapes (bf16; weights filled, routing random)."""
+    return [_layer_case(h, *s, T) for s in SHAPES for T in (1, 4, 16, 64, 128, 256)]
+
+
+def bench_prefill(h):
+    return [_layer_case(h, *s, 4096, sets=2) for s in SHAPES]
