@@ -47,6 +47,11 @@ def copy_from_host(dst, values):
     _assign(dst, values.reshape(dst.shape))
 
 
+def add_(dst, src):
+    CALLS["add_"] += 1
+    _assign(dst, dst.numpy().astype(np.float32) + src.numpy().astype(np.float32))
+
+
 def upload(values, dtype):
     CALLS["upload"] += 1
     return paddle.to_tensor(np.ascontiguousarray(values, dtype=dtype))
@@ -281,7 +286,7 @@ class PinnedCopies:
         pass
 
 
-OPS = ("fill_", "copy_", "copy_from_host", "upload", "copy_from_host_many", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
+OPS = ("fill_", "copy_", "add_", "copy_from_host", "upload", "copy_from_host_many", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
        "rope_qk_norm_cache", "paged_attention", "lm_head_logits", "argmax", "sample", "apply_penalties_", "scatter_",
        "apply_bitmask_", "logprobs", "moe_route", "moe_align", "moe_experts", "to_host", "PinnedCopies")
 

@@ -52,7 +52,8 @@ def _forbid_builtin_compute(monkeypatch) -> None:
                        (F, ("embedding", "silu", "softmax"))):
         for name in names:
             monkeypatch.setattr(mod, name, refuse(f"{mod.__name__}.{name}"))
-    monkeypatch.setattr(paddle.Tensor, "astype", refuse("Tensor.astype"))
+    for name in ("astype", "__add__", "__radd__", "__sub__", "__mul__", "__rmul__"):  # y + shared: an add kernel
+        monkeypatch.setattr(paddle.Tensor, name, refuse(f"Tensor.{name}"))
 
 
 # ---- the device option ------------------------------------------------------------------------

@@ -663,6 +663,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "moe-shared-experts-builtin-add",
+        "A MoE block adds its shared experts with Paddle's add on the GPU path (a kernel that does nothing on sm_90)",
+        (Edit("fdlite/models/moe.py",
+              "        if self.on_gpu:  # Paddle",
+              "        if False:  # MUTATION Paddle"),),
+        ("tests/test_moe_gpu_path.py",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)

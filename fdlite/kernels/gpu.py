@@ -74,7 +74,7 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fdl_memcpy_d2h_async": (_int, [_vp, _vp, _size, _vp, _vp]),
     "fdl_event_synchronize": (_int, [_vp]),
 }
-ABI_VERSION = 7  # fdl_ops_abi_version() of the sources this module speaks to (7: the MoE ops)
+ABI_VERSION = 8  # fdl_ops_abi_version() of the sources this module speaks to (7: the MoE ops; 8: fdl_add_)
 
 
 def load(path: str | None = None) -> str:
@@ -183,6 +183,16 @@ def copy_(dst, src) -> None:
         if _dtype(dst) != _dtype(src) or int(np.prod(dst.shape)) != int(np.prod(src.shape)):
             raise GpuOpsError("copy_: dtype or size mismatch")
     _run("fdl_copy_", dst, src)
+
+
+def add_(dst, src) -> None:
+    """dst += src elementwise (same float dtype and size), summed in float32 and rounded once, as Paddle's add."""
+    if _checks:
+        _check(dst, "dst", FLOAT_DTYPES)
+        _check(src, "src", (_dtype(dst),))
+        if int(np.prod(dst.shape)) != int(np.prod(src.shape)):
+            raise GpuOpsError(f"add_: sizes differ: {list(dst.shape)} vs {list(src.shape)}")
+    _run("fdl_add_", dst, src)
 
 
 def current_stream_handle() -> int:

@@ -24,6 +24,8 @@ from fdlite.distributed.communicator import tensor_parallel_all_reduce
 from fdlite.models.decoder import DecoderMLP
 from fdlite.models.model_config import ModelConfig
 from fdlite.models.tp_partition import TPPartition
+from fdlite.kernels import gpu as gpu_ops
+from fdlite.kernels import platform
 from fdlite.layers.moe import FusedMoE
 
 
@@ -72,12 +74,19 @@ class MoEBlock(nn.Layer):
                                 spec.correction_bias, spec.norm_min, spec.gate_dtype)
         self.shared_experts = (DecoderMLP(cfg, dtype, tp, inter * spec.num_shared_experts)
                                if spec.num_shared_experts else None)
+        self.on_gpu = platform.is_gpu()  # decided once, as CustomOp does
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         y = self.experts(x)
         if self.tp_size > 1:
             y = tensor_parallel_all_reduce(y)
-        return y if self.shared_experts is None else y + self.shared_experts(x)
+        if self.shared_experts is None:
+            return y
+        shared = self.shared_experts(x)
+        if self.on_gpu:  # Paddle's own add does nothing on sm_90 (fdlite/kernels/gpu.py)
+            gpu_ops.add_(y, shared)
+            return y
+        return y + shared
 
 
 class MoEDecoderMixin:

@@ -191,6 +191,38 @@ PD_BUILD_OP(fdl_cast_)
     .SetInplaceMap({{"Dst", "Out"}})
     .SetKernelFn(PD_KERNEL(CastInplace));
 
+// fdl_add_(dst, src): dst += src elementwise (same float dtype and size), the sum in float32 rounded once to
+// dst's dtype, as Paddle's add does: a MoE block's routed and shared experts (fdlite/models/moe.py).
+template <typename T>
+__global__ void add_kernel(T* __restrict__ dst, const T* __restrict__ src, int64_t n) {
+  pdl_trigger();
+  pdl_wait();
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    dst[i] = from_f<T>(to_f<T>(dst[i]) + to_f<T>(src[i]));
+}
+
+std::vector<paddle::Tensor> AddInplace(paddle::Tensor& dst, const paddle::Tensor& src) {
+  check_gpu(dst, "fdl_add_", "dst");
+  check_gpu(src, "fdl_add_", "src");
+  PD_CHECK(dst.numel() == src.numel() && dst.dtype() == src.dtype(), "fdl_add_: size or dtype mismatch");
+  const int64_t n = dst.numel();
+  if (n == 0) return {};
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>(ceil_div(n, threads), 4 * 1024);
+  FDL_FLOAT_SWITCH(dst.dtype(), T, "fdl_add_", {
+    launch("add_kernel", add_kernel<T>, (unsigned)blocks, threads, 0, stream_of(dst), false, static_cast<T*>(dst.data()),
+           static_cast<const T*>(src.data()), n);
+  });
+  FDL_CHECK_LAUNCH("fdl_add_");
+  return {};
+}
+
+PD_BUILD_OP(fdl_add_)
+    .Inputs({"Dst", "Src"})
+    .Outputs({"Out"})
+    .SetInplaceMap({{"Dst", "Out"}})
+    .SetKernelFn(PD_KERNEL(AddInplace));
+
 // fdl_copy_(dst, src): bytes of src into dst on dst's stream. src may be on the host (pinned memory
 // also inside a capture; pageable memory only eagerly, where the copy is synchronous anyway).
 std::vector<paddle::Tensor> CopyInplace(paddle::Tensor& dst, const paddle::Tensor& src) {
