@@ -439,15 +439,15 @@ def section_graphs():
         return res
 
     def mixed_case():
-        """About 1,000 steps of a churning job (110 requests over 4 rows, prompts prefilled 64 tokens a step beside
-        the others' decodes): nearly every step mixes prefill and decode tokens and replays a token-count graph;
-        the tokens equal the eager engine's."""
+        """Over 1,000 mixed steps of a churning job (130 requests over 4 rows, prompts prefilled 64 tokens a step
+        beside the others' decodes): nearly every step mixes prefill and decode tokens and replays a token-count
+        graph (issue 24 asks for 1,000 of them); the tokens equal the eager engine's."""
         from fdlite import SamplingParams  # noqa: PLC0415
 
         path = small_model("qwen3")
         rng = np.random.default_rng(12)
-        prompts = [rng.integers(3, 1024, size=int(k)).tolist() for k in rng.integers(200, 800, size=110)]
-        params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(4, 30, 110)]
+        prompts = [rng.integers(3, 1024, size=int(k)).tolist() for k in rng.integers(200, 800, size=130)]
+        params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(4, 30, 130)]
         common = dict(device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4, block_size=16,
                       max_model_len=1024, max_num_batched_tokens=64, num_gpu_blocks_override=400)
         want, got, st, llm = eager_then_graphs(path, prompts, params, **common)
@@ -456,7 +456,7 @@ def section_graphs():
                "mixed_replays": st["cudagraph_mixed_replays"], "mixed_sizes": sorted(mixed.graphs) if mixed else [],
                "distinct_token_counts_replayed": len({t for _, t in mixed.replays_by_size}) if mixed else 0}
         res["pass"] = bool(res["identical"] and st["cudagraph_replays"] >= 0.9 * st["num_steps"]
-                           and st["cudagraph_mixed_replays"] >= 0.8 * st["num_steps"] and st["num_steps"] >= 900)
+                           and st["cudagraph_mixed_replays"] >= max(1000, 0.8 * st["num_steps"]))
         return res
 
     run("graphs_1000_decode_steps", case)
