@@ -139,8 +139,12 @@ class EngineConfig:
     kv_cache_dtype: str = _opt(
         "auto", "KV-cache element type: auto (the model's dtype) or fp8 (e4m3 with a float32 scale per token and KV "
         "head, taken when the token is written: about 2x the blocks of a bf16 cache). vLLM's name; fp8_e4m3 and "
-        "FastDeploy's kv_cache_quant_type value float8_e4m3fn mean fp8. CPU only for now."
+        "FastDeploy's kv_cache_quant_type value float8_e4m3fn mean fp8. On the GPU: bf16 / fp16 models at head_dim "
+        "64 or 128."
     )
+    kv_cache_quant_type: str | None = _opt(
+        None, "FastDeploy's name for the KV-cache quantization: float8_e4m3fn (or fp8) is kv_cache_dtype=fp8; none "
+        "is auto. Set at most one of the two, or both to the same thing.")
     gpu_memory_utilization: float = _opt(0.9, "Share of GPU memory fdlite may use (weights, activations, KV cache, graphs).")
     num_gpu_blocks_override: int | None = _opt(None, "Use exactly this many KV-cache blocks instead of profiling.")
     kv_cache_memory_bytes: int | None = _opt(None, "KV-cache byte budget on CPU (default 1 GiB); on GPU profiling sizes the cache.")
@@ -215,6 +219,16 @@ class EngineConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in ("qwen3", "ernie45"):
             raise ValueError(f"reasoning_parser must be qwen3, ernie45 or None, got {self.reasoning_parser!r}")
         kv = self.kv_cache_dtype.lower() if isinstance(self.kv_cache_dtype, str) else self.kv_cache_dtype
+        if self.kv_cache_quant_type is not None:
+            qt = str(self.kv_cache_quant_type).lower()
+            if qt not in ("none", "fp8", "float8_e4m3fn"):
+                raise ValueError("kv_cache_quant_type must be float8_e4m3fn (fp8) or none, got "
+                                 f"{self.kv_cache_quant_type!r} (int8 KV caches are not implemented)")
+            wanted = "auto" if qt == "none" else "fp8"
+            if kv != "auto" and ("auto" if kv == "auto" else "fp8") != wanted:
+                raise ValueError(f"kv_cache_quant_type={self.kv_cache_quant_type!r} and kv_cache_dtype="
+                                 f"{self.kv_cache_dtype!r} disagree: set one of them")
+            kv, self.kv_cache_quant_type = wanted, "none" if wanted == "auto" else "float8_e4m3fn"
         if kv not in ("auto", "fp8", "fp8_e4m3", "float8_e4m3fn"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8 (fp8_e4m3, float8_e4m3fn), got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = "auto" if kv == "auto" else "fp8"

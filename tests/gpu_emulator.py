@@ -143,6 +143,39 @@ def rope_qk_norm_cache(qkv, positions, slot_mapping, cos, sin, k_cache, v_cache,
     return paddle.to_tensor(q.astype(np.float32))
 
 
+def rope_qk_norm_cache_fp8(qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, num_heads, q_norm_weight=None,
+                           k_norm_weight=None, eps=1e-6):
+    """The kernel's contract on FP8 caches: k / v written through `Fp8Cache.write` (the CPU path's quantization)."""
+    CALLS["rope_qk_norm_cache_fp8"] += 1
+    _, kvh, bs, d = k_cache.shape
+    plain = [np.zeros([k_cache.shape[0], kvh, bs, d], np.float32) for _ in range(2)]
+    kt, vt = paddle.to_tensor(plain[0]), paddle.to_tensor(plain[1])
+    q = rope_qk_norm_cache(qkv, positions, slot_mapping, cos, sin, kt, vt, num_heads, q_norm_weight, k_norm_weight, eps)
+    CALLS["rope_qk_norm_cache"] -= 1
+    slots = slot_mapping.numpy()
+    keep = np.flatnonzero(slots >= 0)
+    if len(keep):
+        s_ = slots[keep]
+        rows = ((s_ // bs)[:, None] * kvh + np.arange(kvh)[None, :]) * bs + (s_ % bs)[:, None]  # [n, kvh]
+        flat = paddle.to_tensor(rows.reshape(-1).astype(np.int64))
+        for cache, src in ((k_cache, kt), (v_cache, vt)):
+            cache.write(flat, paddle.to_tensor(src.numpy().reshape(-1, d)[rows.reshape(-1)]))
+    return q
+
+
+def paged_attention_fp8(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len=0,
+                        num_splits=0):
+    """The kernel's contract on FP8 caches: every row read back as value x scale (`Fp8Cache.read`)."""
+    CALLS["paged_attention_fp8"] += 1
+    n = int(np.prod(k_cache.shape[:3]))
+    rows = paddle.to_tensor(np.arange(n, dtype=np.int64))
+    kt = k_cache.read(rows).reshape(k_cache.shape)
+    vt = v_cache.read(rows).reshape(v_cache.shape)
+    out = paged_attention(q, kt, vt, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len, num_splits)
+    CALLS["paged_attention"] -= 1
+    return out
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len=0, num_splits=0):
     CALLS["paged_attention"] += 1
     assert block_tables.shape[0] == seq_lens_kv.shape[0] and cu_seqlens_q.shape[0] == seq_lens_kv.shape[0] + 1
@@ -287,7 +320,7 @@ class PinnedCopies:
 
 
 OPS = ("fill_", "copy_", "add_", "copy_from_host", "upload", "copy_from_host_many", "gather_rows", "embedding", "rms_norm", "fused_add_rms_norm_", "silu_and_mul", "linear",
-       "rope_qk_norm_cache", "paged_attention", "lm_head_logits", "argmax", "sample", "apply_penalties_", "scatter_",
+       "rope_qk_norm_cache", "rope_qk_norm_cache_fp8", "paged_attention", "paged_attention_fp8", "lm_head_logits", "argmax", "sample", "apply_penalties_", "scatter_",
        "apply_bitmask_", "logprobs", "moe_route", "moe_align", "moe_experts", "to_host", "PinnedCopies")
 
 

@@ -6,7 +6,8 @@
   chunks read their prefix from the FP8 cache) next to what transformers' own bf16 gives against fp32
   (docs/benchmarks.md, "FP8 KV cache").
 - Bookkeeping: preemption (recompute), prefix-cache hits and poisoned free blocks give the FP8 engine's own
-  tokens exactly; bad values and the GPU path are refused with the option's name.
+  tokens exactly; bad values are refused with the option's name; FastDeploy's kv_cache_quant_type is accepted.
+- The GPU path (emulated: the kernels' contracts in numpy) gives the CPU FP8 engine's tokens.
 """
 
 from __future__ import annotations
@@ -90,14 +91,37 @@ def test_preemption_prefix_hits_and_poisoned_blocks_give_the_same_tokens(model_d
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
 
 
-def test_bad_values_and_the_gpu_path_are_refused(model_dirs, monkeypatch):
+def test_bad_values_are_refused_and_fastdeploys_name_is_accepted():
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto or fp8"):
         EngineConfig(kv_cache_dtype="int4")
     for alias in ("fp8", "FP8_E4M3", "float8_e4m3fn"):
         assert EngineConfig(kv_cache_dtype=alias).kv_cache_dtype == "fp8"
-    gpu_emulator.install_engine(monkeypatch)
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not available on fdlite's GPU path"):
-        LLM(model_dirs["qwen3"], kv_cache_dtype="fp8", **{**COMMON, "device": None})
+    assert EngineConfig(kv_cache_quant_type="float8_e4m3fn").kv_cache_dtype == "fp8"
+    assert EngineConfig(kv_cache_quant_type="none").kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="kv_cache_quant_type must be float8_e4m3fn"):
+        EngineConfig(kv_cache_quant_type="int8")
+    with pytest.raises(ValueError, match="disagree"):
+        EngineConfig(kv_cache_dtype="fp8", kv_cache_quant_type="none")
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_emulated_gpu_path_writes_and_reads_the_fp8_cache_as_the_cpu_does(model_dirs, graphs, monkeypatch):
+    """The GPU path's FP8 cache write and attention (their contracts in numpy: tests/gpu_emulator.py) give the CPU
+    FP8 engine's tokens, with chunked prefill, preemption and prefix hits; with graphs, through the capture path."""
+    ps = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 40, 77, 93))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    small = {**COMMON, "max_model_len": 128, "num_gpu_blocks_override": 14, "max_num_batched_tokens": 32}
+    want = LLM(model_dirs["qwen3"], kv_cache_dtype="fp8", **small).generate(ps, params, use_tqdm=False)
+    if graphs:
+        monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
+    calls = gpu_emulator.install_engine(monkeypatch)
+    llm = LLM(model_dirs["qwen3"], kv_cache_dtype="fp8", use_cudagraph=graphs, async_scheduling=False,
+              **{**small, "device": None})
+    got = llm.generate(ps, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert calls["rope_qk_norm_cache_fp8"] > 0 and calls["paged_attention_fp8"] > 0
+    assert calls["rope_qk_norm_cache"] == 0 and calls["paged_attention"] == 0
+    assert llm.last_generate_stats["num_preemptions"] > 0
 
 
 def test_fdlite_imports_where_paddle_has_no_float8():

@@ -74,7 +74,7 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fdl_memcpy_d2h_async": (_int, [_vp, _vp, _size, _vp, _vp]),
     "fdl_event_synchronize": (_int, [_vp]),
 }
-ABI_VERSION = 8  # fdl_ops_abi_version() of the sources this module speaks to (7: the MoE ops; 8: fdl_add_)
+ABI_VERSION = 9  # fdl_ops_abi_version() of the sources this module speaks to (7: MoE ops; 8: fdl_add_; 9: FP8 KV)
 
 
 def load(path: str | None = None) -> str:
@@ -328,6 +328,43 @@ def rope_qk_norm_cache(qkv, positions, slot_mapping, cos, sin, k_cache, v_cache,
                 int(num_heads), norm, float(eps))[0]
 
 
+def _check_fp8(op: str, x, k_data, v_data, k_scale, v_scale) -> None:
+    """FP8 caches (fdlite/kvcache/fp8_cache.py): uint8 e4m3 bits, float32 scales per cache row; bf16 / fp16 models
+    at head_dim 64 / 128 (the kernels' instantiations)."""
+    if not _checks:
+        return
+    _check(k_data, "k_cache", ("uint8",), ndim=4)
+    _check(v_data, "v_cache", ("uint8",), ndim=4)
+    _check(k_scale, "k_scale", ("float32",), ndim=3)
+    _check(v_scale, "v_scale", ("float32",), ndim=3)
+    d = k_data.shape[-1]
+    if _dtype(x) not in ("bfloat16", "float16") or d not in (64, 128):
+        raise GpuOpsError(f"{op}: kv_cache_dtype='fp8' on the GPU takes bf16 / fp16 models at head_dim 64 or 128, "
+                          f"got {_dtype(x)} at head_dim {d}")
+    if list(k_scale.shape) != list(k_data.shape[:3]) or list(v_scale.shape) != list(v_data.shape[:3]):
+        raise GpuOpsError(f"{op}: scales {list(k_scale.shape)} must be the caches' first three dims {list(k_data.shape[:3])}")
+
+
+def rope_qk_norm_cache_fp8(qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, num_heads: int,
+                           q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
+    """`rope_qk_norm_cache` into FP8 caches (`Fp8Cache`s): k / v rounded to the model dtype, then e4m3 bits of
+    value / scale with scale = amax / 448 per (token, KV head) written beside them."""
+    _check(qkv, "qkv", FLOAT_DTYPES, ndim=2)
+    _check(positions, "positions", ("int64",))
+    _check(slot_mapping, "slot_mapping", ("int64",))
+    _check(cos, "cos", ("float32", _dtype(qkv)), ndim=2)
+    _check(sin, "sin", (_dtype(cos),), ndim=2)
+    _check_fp8("rope_qk_norm_cache_fp8", qkv, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale)
+    norm = q_norm_weight is not None
+    if norm:
+        _check(q_norm_weight, "q_norm_weight", (_dtype(qkv),))
+        _check(k_norm_weight, "k_norm_weight", (_dtype(qkv),))
+    qw = q_norm_weight if norm else cos
+    kw = k_norm_weight if norm else cos
+    return _run("fdl_rope_qk_norm_cache_fp8", qkv, positions, slot_mapping, cos, sin, qw, kw, k_cache.data,
+                v_cache.data, k_cache.scale, v_cache.scale, int(num_heads), norm, float(eps))[0]
+
+
 # ------------------------------------------------------------------ (e) paged attention
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale: float,
                     max_q_len: int = 0, num_splits: int = 0):
@@ -345,6 +382,19 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q
     _check(cu_seqlens_q, "cu_seqlens_q", ("int32",))
     return _run("fdl_paged_attention", q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, float(scale),
                 int(max_q_len), int(num_splits))[0]
+
+
+def paged_attention_fp8(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale: float,
+                        max_q_len: int = 0, num_splits: int = 0):
+    """`paged_attention` over FP8 caches (`Fp8Cache`s: e4m3 bits and a scale per row, multiplied in after
+    widening)."""
+    _check(q, "q", FLOAT_DTYPES, ndim=3)
+    _check_fp8("paged_attention_fp8", q, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale)
+    _check(block_tables, "block_tables", ("int32",), ndim=2)
+    _check(seq_lens_kv, "seq_lens_kv", ("int32",))
+    _check(cu_seqlens_q, "cu_seqlens_q", ("int32",))
+    return _run("fdl_paged_attention_fp8", q, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale, block_tables,
+                seq_lens_kv, cu_seqlens_q, float(scale), int(max_q_len), int(num_splits))[0]
 
 
 # ------------------------------------------------------------------ (f) logits and sampling

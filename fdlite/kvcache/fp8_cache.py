@@ -8,7 +8,8 @@ a bf16 cache's blocks become 1.94x as many and a float32 one's 3.88x. Readers mu
 dot products' inputs are widened, so a kernel can fold it into a score column (K) or a probability column (V).
 
 The CPU path reads and writes through numpy views of the tensors: Paddle 3.3's CPU scatter has no uint8
-kernel. The layout is the model-dtype cache's, [num_blocks + 1, kv_heads, block_size, head_dim], plus
+kernel. On the GPU the cache-write kernel quantizes (`gpu.rope_qk_norm_cache_fp8`) and the attention kernels widen
+value x scale as they read (`gpu.paged_attention_fp8`; ops_rope_cache.cu, ops_attention.cu, attention_mma.cuh). The layout is the model-dtype cache's, [num_blocks + 1, kv_heads, block_size, head_dim], plus
 [num_blocks + 1, kv_heads, block_size] scales, addressed by the same flat rows (fdlite/layers/attention.py).
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from fdlite.kernels import device_tensors
+from fdlite.kernels import device_tensors, platform
 
 E4M3_MAX = 448.0
 NAN_BITS = 0x7F  # e4m3fn has NaN (S.1111.111) and no infinities
@@ -66,14 +67,13 @@ class Fp8Cache:
 
     def poison(self, start: int, stop: int, value: float) -> None:
         """Debug: blocks [start, stop) read as `value` (NaN, or a huge finite value) until written again."""
-        data = np.from_dlpack(self.data)[start:stop]
-        scale = np.from_dlpack(self.scale)[start:stop]
-        if np.isnan(value):
-            data[...] = NAN_BITS
-            scale[...] = 1.0
-        else:
-            data[...] = MAX_BITS
-            scale[...] = value / E4M3_MAX
+        bits, scale_value = (NAN_BITS, 1.0) if np.isnan(value) else (MAX_BITS, value / E4M3_MAX)
+        if platform.is_gpu():  # leading-axis slices are views; the fill runs in stream order
+            device_tensors.fill_(self.data[start:stop], bits)
+            device_tensors.fill_(self.scale[start:stop], scale_value)
+            return
+        np.from_dlpack(self.data)[start:stop] = bits
+        np.from_dlpack(self.scale)[start:stop] = scale_value
 
     def release(self) -> None:
         device_tensors.release_tensor(self.data)

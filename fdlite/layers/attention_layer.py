@@ -21,6 +21,7 @@ from fdlite.kernels import cpu_attention
 from fdlite.kernels import gpu as gpu_ops
 from fdlite.layers.attention import paged_attention as _paged_attention
 from fdlite.kernels.custom_op import CustomOp
+from fdlite.kvcache.fp8_cache import Fp8Cache
 from fdlite.layers.forward_meta import ForwardMeta
 from fdlite.layers.rotary import RotaryEmbedding
 
@@ -56,12 +57,14 @@ class Attention(CustomOp):
     def forward_gpu(self, qkv: paddle.Tensor, positions: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         k_cache, v_cache = meta.caches[self.layer_id]
         qn, kn = self._qk_norm or (None, None)
-        q = gpu_ops.rope_qk_norm_cache(
-            qkv, positions, meta.slot_mapping, self.rotary.cos, self.rotary.sin, k_cache, v_cache, self.num_heads,
-            None if qn is None else qn.weight, None if kn is None else kn.weight, qn.eps if qn is not None else 1e-6)
+        fp8 = isinstance(k_cache, Fp8Cache)  # kv_cache_dtype="fp8": e4m3 bits and a scale per row
+        write = gpu_ops.rope_qk_norm_cache_fp8 if fp8 else gpu_ops.rope_qk_norm_cache
+        q = write(qkv, positions, meta.slot_mapping, self.rotary.cos, self.rotary.sin, k_cache, v_cache, self.num_heads,
+                  None if qn is None else qn.weight, None if kn is None else kn.weight, qn.eps if qn is not None else 1e-6)
         rows = meta.seq_lens_kv.shape[0]
         # Graph views carry a scratch row after the batch's rows (for the CPU path's per-token tables);
         # the kernel takes exactly one table row per row: a leading-rows slice is a view, no copy.
         tables = meta.block_tables if meta.block_tables.shape[0] == rows else meta.block_tables[:rows]
-        return gpu_ops.paged_attention(q, k_cache, v_cache, tables, meta.seq_lens_kv, meta.cu_seqlens_q, self.scale,
-                                       max_q_len=meta.max_q_len)
+        attend = gpu_ops.paged_attention_fp8 if fp8 else gpu_ops.paged_attention
+        return attend(q, k_cache, v_cache, tables, meta.seq_lens_kv, meta.cu_seqlens_q, self.scale,
+                      max_q_len=meta.max_q_len)

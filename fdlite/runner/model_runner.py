@@ -82,10 +82,6 @@ class ModelRunner:
             # sample from garbage.
             raise ValueError("tensor_parallel_size > 1 is not available on fdlite's GPU path yet (the logits' "
                              "vocabulary all-gather has no fdlite kernel); use tensor_parallel_size=1 on GPU")
-        if self.device == "gpu" and config.kv_cache_dtype == "fp8":
-            # The GPU cache-write and attention kernels read and write the model's dtype only (issue 25).
-            raise ValueError("kv_cache_dtype='fp8' is not available on fdlite's GPU path yet (its kernels read the "
-                             "model's dtype); use kv_cache_dtype='auto' on GPU")
         TPPartition.of(model_config, 0, tp_size)  # a model that cannot be split fails before any process waits
         self.parallel = init_tensor_parallel(tp_size, self.device, config.data_parallel_size)
         self.comm = Communicator(self.parallel, self.device, config.enable_custom_all_reduce)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "latency", "diag", "breakdown", "sampling", "churn",
-                                    "sampling_checks", "memory", "profile", "moe"])
+                                    "sampling_checks", "memory", "profile", "moe", "fp8"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
@@ -333,9 +333,10 @@ def parity_case(family: str) -> dict:
     return res
 
 
-def bf16_case(family: str) -> dict:
+def bf16_case(family: str, kv_cache_dtype: str = "auto") -> dict:
     """bf16 prefill logprobs vs the fp32 reference, measured against transformers' own bf16 error on the
-    same tokens (the tolerance bf16 allows on this model); greedy agreement with transformers bf16."""
+    same tokens (the tolerance bf16 allows on this model); greedy agreement with transformers bf16. With
+    kv_cache_dtype="fp8" the KV cache is e4m3 (prompts prefilled 64 tokens a step, so later chunks read it)."""
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
 
     path = small_model(family)
@@ -343,7 +344,8 @@ def bf16_case(family: str) -> dict:
     ref32 = hf_prefill_logprobs(path, prompts, "float32")
     ref16 = hf_prefill_logprobs(path, prompts, "bfloat16")
     llm = LLM(path, device=FDL_DEVICE, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=16, block_size=16,
-              max_model_len=1024, num_gpu_blocks_override=400)
+              max_model_len=1024, num_gpu_blocks_override=400, kv_cache_dtype=kv_cache_dtype,
+              **({"max_num_batched_tokens": 64} if kv_cache_dtype == "fp8" else {}))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)
     ours, hfs = [], []
@@ -371,7 +373,7 @@ def bf16_case(family: str) -> dict:
             "tolerance(2x transformers bf16 + 1e-3)": tol, "pass": max(ours) <= tol, "errs_ours": ours, "errs_hf_bf16": hfs,
             "sequences": len(got), "fdlite_bf16_vs_transformers_bf16": rates(got, ref),
             "transformers_bf16_vs_transformers_fp32 (context)": rates(ref, ref_fp32),
-            "fdlite_bf16_vs_transformers_fp32": rates(got, ref_fp32)}
+            "fdlite_bf16_vs_transformers_fp32": rates(got, ref_fp32), "greedy_tokens": got}
 
 
 def section_parity():
@@ -995,6 +997,59 @@ def section_profile():
     run("profiled_steps", case)
 
 
+def section_fp8():
+    """kv_cache_dtype="fp8" on the GPU (issue 25): quality beside a bf16 KV cache and transformers' own bf16
+    (prefill logprob error against fp32, greedy agreement), graphs = eager, and the nano-vllm protocol's output
+    tokens/s with either cache, one LLM alive at a time."""
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+
+    for fam in ("qwen3", "llama"):
+        def quality(f=fam):
+            auto, fp8 = bf16_case(f), bf16_case(f, "fp8")
+            a, b = auto.pop("greedy_tokens"), fp8.pop("greedy_tokens")
+            n = sum(len(x) for x in a)
+            return {"fp8": fp8, "bf16_kv_prefill_logprob_err": auto["prefill_logprob_max_abs_err_vs_fp32"],
+                    "fp8_vs_bf16_kv_greedy": {"identical_sequences": sum(x == y for x, y in zip(a, b)),
+                                              "tokens_equal_positionwise": sum(p == q for x, y in zip(a, b)
+                                                                               for p, q in zip(x, y)) / n},
+                    "pass": fp8["pass"]}
+        run(f"quality_{fam}", quality)
+
+    def graphs():
+        path = small_model("qwen3")
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(3, 1024, size=int(k)).tolist() for k in rng.integers(20, 300, size=40)]
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        want, got, st, llm = eager_then_graphs(path, prompts, params, device=FDL_DEVICE, dtype="bfloat16",
+                                               skip_tokenizer_init=True, max_num_seqs=8, block_size=16,
+                                               max_model_len=1024, max_num_batched_tokens=64,
+                                               num_gpu_blocks_override=120, kv_cache_dtype="fp8")
+        return {"identical": got == want, "steps": st["num_steps"], "cudagraph_replays": st["cudagraph_replays"],
+                "mixed_replays": st["cudagraph_mixed_replays"], "preemptions": st["num_preemptions"],
+                "pass": got == want and st["cudagraph_replays"] >= 0.9 * st["num_steps"]}
+    run("graphs_equal_eager", graphs)
+
+    prompts, outs = protocol()
+    for kv in ("auto", "fp8"):
+        def bench(kv=kv):
+            llm = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
+                      max_num_batched_tokens=8192, kv_cache_dtype=kv)
+            try:
+                llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+                params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs]
+                t = time.time()
+                res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                sec = time.time() - t
+                produced = sum(len(o.outputs[0].token_ids) for o in res)
+                st = llm.last_generate_stats
+                return {"kv_blocks": llm.num_blocks, "output_tokens": produced, "seconds": round(sec, 2),
+                        "output_tokens_per_s": round(produced / sec, 1), "steps": st["num_steps"],
+                        "cudagraph_replays": st["cudagraph_replays"], "preemptions": st["num_preemptions"]}
+            finally:
+                llm.close()
+        run(f"protocol_kv_{kv}", bench)
+
+
 # ---- sampling features at full speed (device-side logits processors) ---------------------------
 
 def json_schema() -> dict:
@@ -1394,7 +1449,7 @@ if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
      "throughput": section_throughput, "latency": section_latency, "diag": section_diag, "breakdown": section_breakdown,
      "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn, "memory": section_memory,
-     "profile": section_profile, "moe": section_moe}[ARGS.section]()
+     "profile": section_profile, "moe": section_moe, "fp8": section_fp8}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))

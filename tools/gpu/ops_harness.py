@@ -551,6 +551,78 @@ for dt in DTYPES:
     check(f"rope_qk_norm_cache {dt} no qk_norm, {dt} table, bs16", t_rope(dt, 29, 16, 8, 128, 16, 40, False, dt))
 check("rope_qk_norm_cache bfloat16 d64 14/2 heads (Qwen2.5-0.5B-like)", t_rope("bfloat16", 23, 14, 2, 64, 64, 5, False, "float32"))
 check("rope_qk_norm_cache float32 d256 8/4 heads", t_rope("float32", 9, 8, 4, 256, 32, 4, True, "float32"))
+
+
+# ---- FP8 (e4m3) caches: numpy codec, round to nearest even, saturating (what the kernels' cvt does)
+def e4m3_decode(b):
+    b = np.asarray(b, np.uint8).astype(np.int64)
+    e, m = (b >> 3) & 15, b & 7
+    v = np.where(e == 0, m / 8.0 * 2.0**-6, (1 + m / 8.0) * 2.0 ** (e - 7.0))
+    v = np.where((e == 15) & (m == 7), np.nan, v)
+    return np.where(b >> 7, -v, v)
+
+
+_E4M3_POS = e4m3_decode(np.arange(127))  # codes 0..126: 0 .. 448 ascending
+
+
+def e4m3_encode(x):
+    x = np.asarray(x, np.float64)
+    a = np.minimum(np.abs(x), 448.0)
+    i = np.clip(np.searchsorted(_E4M3_POS, a), 1, 126)
+    lo, hi = _E4M3_POS[i - 1], _E4M3_POS[i]
+    pick_hi = (a - lo > hi - a) | ((a - lo == hi - a) & (i % 2 == 0))  # ties to the even code
+    code = np.where(a <= 0, 0, np.where(pick_hi, i, i - 1)).astype(np.uint8)
+    return np.where(x < 0, code | 0x80, code).astype(np.uint8)
+
+
+def fp8_quantize(v):
+    """v [..., d] float32 -> (bits, scale [...]) as fdlite/kvcache/fp8_cache.py: scale = amax / 448 per vector."""
+    v = np.asarray(v, np.float32)
+    amax = np.abs(v).max(-1)
+    scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    return e4m3_encode((v / scale[..., None]).astype(np.float32)), scale
+
+
+def t_rope_fp8(dt, T, h, kvh, d, bs, num_blocks, qk_norm):
+    """The FP8 cache write against the model-dtype one on the same inputs: its vectors quantized on the host."""
+    def f():
+        cos, sin = rope_tables(d, 4096)
+        args = (to_gpu(q(rng.standard_normal((T, (h + 2 * kvh) * d)) * 2, dt), dt),
+                to_gpu(rng.integers(0, 4096, T), "int64"))
+        slots = rng.choice(num_blocks * bs, T, replace=False).astype(np.int64)
+        slots[::5] = -1
+        tabs = (to_gpu(cos, "float32"), to_gpu(sin, "float32"))
+        qw = to_gpu(q(1 + 0.2 * rng.standard_normal(d), dt), dt) if qk_norm else None
+        kw = to_gpu(q(1 + 0.2 * rng.standard_normal(d), dt), dt) if qk_norm else None
+        shape = (num_blocks + 1, kvh, bs, d)
+        kc, vc = to_gpu(np.full(shape, np.nan, np.float32), dt), to_gpu(np.full(shape, np.nan, np.float32), dt)
+        q_ref = G.rope_qk_norm_cache(*args, to_gpu(slots, "int64"), *tabs, kc, vc, h, qw, kw, 1e-6)
+        k8 = types.SimpleNamespace(data=to_gpu(np.full(shape, 0x7F, np.uint8), "uint8"),
+                                   scale=to_gpu(np.full(shape[:3], -1.0, np.float32), "float32"))
+        v8 = types.SimpleNamespace(data=to_gpu(np.full(shape, 0x7F, np.uint8), "uint8"),
+                                   scale=to_gpu(np.full(shape[:3], -1.0, np.float32), "float32"))
+        q8 = G.rope_qk_norm_cache_fp8(*args, to_gpu(slots, "int64"), *tabs, k8, v8, h, qw, kw, 1e-6)
+        sync()
+        e_q = relerr(to_np(q8), to_np(q_ref))
+        rows = sorted({cache_row(int(sl), j, kvh, bs) for sl in slots if sl >= 0 for j in range(kvh)})
+        bad, untouched = 0, True
+        for c16, c8 in ((kc, k8), (vc, v8)):
+            want_bits, want_scale = fp8_quantize(to_np(c16).reshape(-1, d)[rows])
+            got_bits = c8.data.numpy().reshape(-1, d)
+            got_scale = c8.scale.numpy().reshape(-1)
+            bad += int(np.sum(e4m3_decode(got_bits[rows]) != e4m3_decode(want_bits)))
+            bad += int(np.sum(got_scale[rows] != want_scale))
+            others = np.ones(len(got_scale), bool)
+            others[rows] = False
+            untouched &= bool(np.all(got_bits[others] == 0x7F) and np.all(got_scale[others] == -1.0))
+        ok = e_q == 0 and bad == 0 and untouched
+        return ok, float(bad), 0, f"q vs model-dtype path {e_q:.1e}; {len(rows)} rows x 2, values/scales differing: {bad}; others untouched: {untouched}"
+    return f
+
+
+for dt in ("bfloat16", "float16"):
+    check(f"rope_qk_norm_cache_fp8 {dt} Qwen3 (16/8, d128, bs64) qk_norm", t_rope_fp8(dt, 37, 16, 8, 128, 64, 12, True))
+    check(f"rope_qk_norm_cache_fp8 {dt} d64 14/2 heads bs16", t_rope_fp8(dt, 29, 14, 2, 64, 16, 40, False))
 save()
 
 # ================================================================== (e) paged attention
@@ -696,6 +768,43 @@ for dt in ("bfloat16", "float16"):
         for h, kvh in ((8, 8), (16, 8), (12, 4), (16, 4), (32, 4)):
             check(f"paged_attention tensor-core tiles {dt} d{d} bs{bs} {h}/{kvh} heads (g={h // kvh})",
                   t_attn(mma_rows, h=h, kvh=kvh, d=d, bs=bs, dt=dt))
+
+
+def t_attn_fp8(rows, h=16, kvh=8, d=128, bs=64, dt="bfloat16", splits=0, max_q_len=0):
+    """Attention over FP8 caches: the Batch's K / V quantized per (slot, KV head) on the host; the reference reads
+    them back as value x scale. Unwritten slots hold NaN bits (0x7F) and NaN scales: a kernel that reads one fails."""
+    def f():
+        b = Batch(rows, h, kvh, d, bs, dt)
+        caches = []
+        for arr, per_row in ((b.k_np, b.K), (b.v_np, b.V)):
+            bits, scale = fp8_quantize(np.nan_to_num(arr, nan=0.0))
+            written = ~np.isnan(arr).any(-1)
+            bits[~written] = 0x7F
+            scale[~written] = np.nan
+            caches.append(types.SimpleNamespace(data=to_gpu(bits, "uint8"), scale=to_gpu(scale, "float32")))
+            deq = (e4m3_decode(bits) * scale[..., None]).astype(np.float32)
+            for r in range(len(rows)):  # the reference's per-row K / V: the dequantized cache contents
+                kv = rows[r][1]
+                p = np.arange(kv)
+                per_row[r] = deq[b.bt[r, p // bs], :, p % bs]
+        scale_ = d ** -0.5
+        ins = b.inputs()
+        out = G.paged_attention_fp8(ins[0], caches[0], caches[1], *ins[3:], scale_, max_q_len, splits)
+        sync()
+        ref = q(b.ref(scale_), dt)
+        err = relerr(to_np(out), ref)
+        tol = {"bfloat16": 1.6e-2, "float16": 4e-3}[dt]
+        return err <= tol, err, tol, f"T={b.T} rows={len(rows)}"
+    return f
+
+
+for dt in ("bfloat16", "float16"):
+    check(f"paged_attention_fp8 decode {dt} (16/8, d128, bs64)", t_attn_fp8(decode_rows, dt=dt))
+    check(f"paged_attention_fp8 mixed decode+prefill {dt}", t_attn_fp8(mixed_rows, dt=dt))
+    check(f"paged_attention_fp8 tensor-core tiles {dt} d64 bs16 12/4 heads", t_attn_fp8(mma_rows, h=12, kvh=4, d=64, bs=16, dt=dt))
+    check(f"paged_attention_fp8 tensor-core tiles {dt} d128 bs64 32/4 heads", t_attn_fp8(mma_rows, h=32, kvh=4, dt=dt))
+check("paged_attention_fp8 decode splits=5 bf16", t_attn_fp8(decode_rows, splits=5))
+check("paged_attention_fp8 mixed splits=3 max_q_len=64 bf16", t_attn_fp8(mixed_rows, splits=3, max_q_len=64))
 
 
 def t_attn_row_invariance(dt="bfloat16", d=128, h=16, kvh=8):

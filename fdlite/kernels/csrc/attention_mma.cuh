@@ -16,6 +16,11 @@
 // shared memory with cp.async double buffering. Scores are scaled in fp32 (log2 units, exp2); the
 // probabilities go to bf16 / fp16 for the P V product, as FlashAttention does; row sums stay fp32.
 //
+// FP8 caches (kv_cache_dtype="fp8"): each chunk's e4m3 bytes and per-row scales stream through a staging buffer
+// (cp.async double buffering, half the bytes), and are widened to the model dtype as value x scale into single
+// K / V tiles before the MMAs, which then run as for a model-dtype cache (the product rounded to bf16 / fp16 costs
+// far less than e4m3's own rounding).
+//
 // A row's result depends only on its own query and keys: every row sees its keys in chunks from key 0
 // in the same order whatever else shares its tile, and masked keys contribute exact zeros.
 #pragma once
@@ -25,7 +30,7 @@
 namespace fdl {
 namespace {
 
-template <int D>
+template <int D, bool F8 = false>
 struct MmaTile {
   static constexpr int NW = 4;              // warps
   static constexpr int NTH = NW * 32;
@@ -38,8 +43,76 @@ struct MmaTile {
   static constexpr int KV_ELEMS = BN * ROW; // one chunk of K (or V)
   static constexpr int CPT = BN * VPR / NTH;  // 16-byte copies per thread per chunk, of K and of V each
   static_assert(BN * VPR % NTH == 0, "chunk must split evenly over the block");
-  static constexpr size_t bytes = (size_t)(Q_ELEMS + 4 * KV_ELEMS) * 2;
+  // FP8: a staging buffer holds one chunk's K and V bytes (BN x D each) and their 2 x BN scales
+  static constexpr int VPR8 = D / 16;          // 16-byte vectors per e4m3 row
+  static constexpr int CPT8 = BN * VPR8 / NTH; // 16-byte copies per thread per chunk, of K and of V each
+  static_assert(BN * VPR8 % NTH == 0 && BN <= NTH, "FP8 chunk must split evenly over the block");
+  static constexpr int STAGE_BYTES = 2 * BN * D + 2 * BN * 4;
+  // model-dtype caches: Q + double-buffered K, V tiles; FP8: Q + single K, V tiles + two staging buffers
+  static constexpr size_t bytes = F8 ? (size_t)(Q_ELEMS + 2 * KV_ELEMS) * 2 + 2 * (size_t)STAGE_BYTES
+                                     : (size_t)(Q_ELEMS + 4 * KV_ELEMS) * 2;
 };
+
+// FP8: cache rows of the 16-byte e4m3 vectors this thread copies per chunk, and (threads < BN) the row of key
+// k0 + threadIdx.x for its scales; the copies land in a staging buffer [K bytes | V bytes | K scales | V scales].
+template <int D>
+struct MmaChunkRows8 {
+  using C = MmaTile<D, true>;
+  int row[C::CPT8];
+  int srow;
+
+  __device__ __forceinline__ void compute(const int* btab, int kvh, int j, int bs, int k0, int k_end) {
+#pragma unroll
+    for (int n = 0; n < C::CPT8; ++n) {
+      const int kk = k0 + (int)(threadIdx.x + n * C::NTH) / C::VPR8;
+      row[n] = kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+    }
+    const int kk = k0 + (int)threadIdx.x;
+    srow = threadIdx.x < C::BN && kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+  }
+
+  __device__ __forceinline__ void issue(uint8_t* stage, const uint8_t* kc, const uint8_t* vc, const float* ksc,
+                                        const float* vsc) const {
+#pragma unroll
+    for (int n = 0; n < C::CPT8; ++n) {
+      const int i = threadIdx.x + n * C::NTH;
+      const int kr = i / C::VPR8, c = i - kr * C::VPR8;
+      const bool valid = row[n] >= 0;  // invalid: zeros (value 0, scale 0)
+      cp_async16(stage + kr * D + c * 16, valid ? kc + (int64_t)row[n] * D + c * 16 : kc, valid);
+      cp_async16(stage + C::BN * D + kr * D + c * 16, valid ? vc + (int64_t)row[n] * D + c * 16 : vc, valid);
+    }
+    if (threadIdx.x < C::BN) {
+      float* sc = reinterpret_cast<float*>(stage + 2 * C::BN * D);
+      const bool valid = srow >= 0;
+      cp_async4(sc + threadIdx.x, valid ? ksc + srow : ksc, valid);
+      cp_async4(sc + C::BN + threadIdx.x, valid ? vsc + srow : vsc, valid);
+    }
+    cp_async_commit();
+  }
+};
+
+// FP8: a staged chunk widened to the model dtype, value x scale, into the K / V tiles (layout of MmaTile).
+template <typename T, int D>
+__device__ __forceinline__ void widen_chunk(const uint8_t* stage, T* ks, T* vs) {
+  using C = MmaTile<D, true>;
+  const float* sc = reinterpret_cast<const float*>(stage + 2 * C::BN * D);
+  for (int i = threadIdx.x; i < 2 * C::BN * C::VPR8; i += C::NTH) {
+    const int kv = i / (C::BN * C::VPR8), u = i - kv * (C::BN * C::VPR8);
+    const int key = u / C::VPR8, c = u - key * C::VPR8;
+    const uint4 raw = *reinterpret_cast<const uint4*>(stage + kv * C::BN * D + key * D + c * 16);
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
+    const float f = sc[kv * C::BN + key];
+    Vec<T, 8> lo, hi;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      lo.v[e] = from_f<T>(e4m3_to_f(b[e]) * f);
+      hi.v[e] = from_f<T>(e4m3_to_f(b[8 + e]) * f);
+    }
+    T* dst = (kv ? vs : ks) + key * C::ROW + c * 16;
+    *reinterpret_cast<Vec<T, 8>*>(dst) = lo;
+    *reinterpret_cast<Vec<T, 8>*>(dst + 8) = hi;
+  }
+}
 
 // Cache rows of the keys this thread copies for the chunk starting at k0 (-1: past k_end), computed one
 // chunk ahead of the copy so the block-table loads are in flight while the current chunk is computed.
@@ -72,9 +145,9 @@ struct MmaChunkRows {
   }
 };
 
-template <typename T, int D>
+template <typename T, int D, bool F8>
 __device__ void mma_segment(const Args& a, T* smem, int r, int64_t ts, int64_t te) {
-  using C = MmaTile<D>;
+  using C = MmaTile<D, F8>;
   constexpr int BN = C::BN, MT = C::MT, NTN = BN / 8, NTD = D / 8;
   const int j = blockIdx.y, g = a.g;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -86,7 +159,8 @@ __device__ void mma_segment(const Args& a, T* smem, int r, int64_t ts, int64_t t
 
   T* Qs = smem;
   T* kbuf = Qs + C::Q_ELEMS;
-  T* vbuf = kbuf + 2 * C::KV_ELEMS;
+  T* vbuf = kbuf + (F8 ? 1 : 2) * C::KV_ELEMS;
+  uint8_t* stage = reinterpret_cast<uint8_t*>(vbuf + (F8 ? 1 : 2) * C::KV_ELEMS);  // F8: 2 x STAGE_BYTES
 
   __syncthreads();  // the previous segment is done with smem
   // Q rows (token-major, the g heads of KV head j for each token), zeros past M; one commit group
@@ -99,12 +173,14 @@ __device__ void mma_segment(const Args& a, T* smem, int r, int64_t ts, int64_t t
     cp_async16(Qs + m * C::ROW + c * 8, q + ((ts + tok) * a.h + (int64_t)j * g + hh) * D + c * 8, valid);
   }
   const int* btab = a.block_tables + (int64_t)r * a.max_blocks;
-  const T* kc = static_cast<const T*>(a.kc);
-  const T* vc = static_cast<const T*>(a.vc);
-  MmaChunkRows<D> rows;
+  using KV = typename std::conditional<F8, uint8_t, T>::type;  // the caches' element type
+  const KV* kc = static_cast<const KV*>(a.kc);
+  const KV* vc = static_cast<const KV*>(a.vc);
+  typename std::conditional<F8, MmaChunkRows8<D>, MmaChunkRows<D>>::type rows;
   if (nchunks > 0) {
     rows.compute(btab, a.kvh, j, a.bs, 0, kv_end);
-    rows.issue(kbuf, vbuf, kc, vc);
+    if constexpr (F8) rows.issue(stage, kc, vc, a.ksc, a.vsc);
+    else rows.issue(kbuf, vbuf, kc, vc);
     if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, BN, kv_end);
   } else {
     cp_async_commit();
@@ -134,11 +210,17 @@ __device__ void mma_segment(const Args& a, T* smem, int r, int64_t ts, int64_t t
     __syncthreads();  // chunk c (and Q) landed; every warp is done with chunk c - 1
     const int kb = c * BN;
     if (c + 1 < nchunks) {
-      rows.issue(kbuf + ((c + 1) & 1) * C::KV_ELEMS, vbuf + ((c + 1) & 1) * C::KV_ELEMS, kc, vc);
+      // FP8: that staging buffer's chunk (c - 1) was widened before the last barrier
+      if constexpr (F8) rows.issue(stage + ((c + 1) & 1) * C::STAGE_BYTES, kc, vc, a.ksc, a.vsc);
+      else rows.issue(kbuf + ((c + 1) & 1) * C::KV_ELEMS, vbuf + ((c + 1) & 1) * C::KV_ELEMS, kc, vc);
       if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * BN, kv_end);
     }
-    const T* ks = kbuf + (c & 1) * C::KV_ELEMS;
-    const T* vs = vbuf + (c & 1) * C::KV_ELEMS;
+    const T* ks = kbuf + (F8 ? 0 : (c & 1) * C::KV_ELEMS);
+    const T* vs = vbuf + (F8 ? 0 : (c & 1) * C::KV_ELEMS);
+    if constexpr (F8) {
+      widen_chunk<T, D>(stage + (c & 1) * C::STAGE_BYTES, kbuf, vbuf);
+      __syncthreads();  // the widened tiles are complete
+    }
 
     // S = Q K^T
     float s[MT][NTN][4];
@@ -250,14 +332,14 @@ __device__ void mma_segment(const Args& a, T* smem, int r, int64_t ts, int64_t t
     }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool F8>
 __global__ void __launch_bounds__(MmaTile<D>::NTH, 2) attn_mma_kernel(Args a, int tile_tokens) {
   pdl_trigger();
   pdl_wait();
   extern __shared__ float4 smem4[];
   const int64_t t_begin = (int64_t)(gridDim.x - 1 - blockIdx.x) * tile_tokens;  // last tiles first
   for_each_prefill_segment(a, t_begin, tile_tokens, [&](int r, int64_t t, int64_t end) {
-    mma_segment<T, D>(a, reinterpret_cast<T*>(smem4), r, t, end);
+    mma_segment<T, D, F8>(a, reinterpret_cast<T*>(smem4), r, t, end);
   });
 }
 

@@ -59,6 +59,8 @@ struct Args {
   int64_t T;
   int B, max_blocks, h, kvh, g, bs, splits;
   float scale_log2;
+  const float* ksc;  // FP8 caches: float32 scale per cache row of K and of V (nullptr: model-dtype caches)
+  const float* vsc;
 };
 
 // Largest r in [0, B) with cu[r] <= t (the row holding token t, given cu[0] <= t < cu[B]).
@@ -89,12 +91,26 @@ struct ChunkRows {
   static constexpr int N = KC * Layout<T, D>::VPR / NT;  // 16-byte copies per thread per chunk
   static_assert(KC * Layout<T, D>::VPR % NT == 0, "chunk must split evenly over the block");
   int row[N];  // cache row index (fits 32 bits: ~2e9 rows of head_dim)
+  int srow;    // FP8 caches: the cache row of key k0 + threadIdx.x (threads < KC), whose scales this thread copies
 
   __device__ __forceinline__ void compute(const int* btab, int kvh, int j, int bs, int k0, int k_end) {
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       const int kk = k0 + (int)(threadIdx.x + n * NT) / Layout<T, D>::VPR;
       row[n] = kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+    }
+    if constexpr (std::is_same<T, uint8_t>::value) {
+      const int kk = k0 + (int)threadIdx.x;
+      srow = threadIdx.x < KC && kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+    }
+  }
+
+  // FP8 caches: the chunk's K and V scales into ks_s / vs_s [KC] (zeros past the end); committed with `issue`.
+  __device__ __forceinline__ void issue_scales(float* ks_s, float* vs_s, const float* ksc, const float* vsc) const {
+    if (threadIdx.x < KC) {
+      const bool valid = srow >= 0;
+      cp_async4(ks_s + threadIdx.x, valid ? ksc + srow : ksc, valid);
+      cp_async4(vs_s + threadIdx.x, valid ? vsc + srow : vsc, valid);
     }
   }
 
@@ -122,17 +138,20 @@ __host__ __device__ inline size_t decode_kv_offset(int g) {
   return ((size_t)g * D * 4 + (size_t)g * KC * 4 + 3 * (size_t)g * 4 + 15) / 16 * 16;
 }
 
-template <typename T, int D>
+// C: the cache's element type (T, or uint8_t e4m3 bits with per-row scales: 4 * KC floats after K / V).
+template <typename C, int D>
 size_t decode_smem(int g) {
-  using L = Layout<T, D>;
-  return decode_kv_offset<D>(g) + 2 * (size_t)L::KV_ELEMS * sizeof(T);
+  using L = Layout<C, D>;
+  constexpr bool f8 = std::is_same<C, uint8_t>::value;
+  return decode_kv_offset<D>(g) + 2 * (size_t)L::KV_ELEMS * sizeof(C) + (f8 ? 4 * KC * sizeof(float) : 0);
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
   pdl_trigger();
   pdl_wait();
-  using L = Layout<T, D>;
+  using L = Layout<C, D>;
+  constexpr bool F8 = std::is_same<C, uint8_t>::value;
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
   const int64_t t = blockIdx.x;
   const int j = blockIdx.y, s = blockIdx.z, g = a.g;
@@ -156,8 +175,9 @@ __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
   float* m_s = S + g * KC;
   float* l_s = m_s + g;
   float* al_s = l_s + g;
-  T* kbuf = reinterpret_cast<T*>(reinterpret_cast<char*>(smem4) + decode_kv_offset<D>(g));
-  T* vbuf = kbuf + L::KV_ELEMS;
+  C* kbuf = reinterpret_cast<C*>(reinterpret_cast<char*>(smem4) + decode_kv_offset<D>(g));
+  C* vbuf = kbuf + L::KV_ELEMS;
+  float* sc_s = reinterpret_cast<float*>(vbuf + L::KV_ELEMS);  // F8: [2 buffers][K, V][KC] scales
 
   const T* q = static_cast<const T*>(a.q) + (t * a.h + (int64_t)j * g) * D;
   for (int i = threadIdx.x; i < g * D; i += NT) qs[i] = to_f<T>(q[i]) * a.scale_log2;
@@ -166,12 +186,13 @@ __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
     l_s[i] = 0.f;
   }
   const int* btab = r < 0 ? a.block_tables : a.block_tables + (int64_t)r * a.max_blocks;
-  const T* kc = static_cast<const T*>(a.kc);
-  const T* vc = static_cast<const T*>(a.vc);
+  const C* kc = static_cast<const C*>(a.kc);
+  const C* vc = static_cast<const C*>(a.vc);
   const int nchunks = k1 > k0 ? (k1 - k0 + KC - 1) / KC : 0;
-  ChunkRows<T, D> rows;  // addresses of the next chunk to issue
+  ChunkRows<C, D> rows;  // addresses of the next chunk to issue
   if (nchunks > 0) {
     rows.compute(btab, a.kvh, j, a.bs, k0, k1);
+    if constexpr (F8) rows.issue_scales(sc_s, sc_s + KC, a.ksc, a.vsc);
     rows.issue(kbuf, vbuf, kc, vc);
     if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, k0 + KC, k1);
   }
@@ -190,23 +211,27 @@ __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
     __syncthreads();  // chunk c landed; every thread is done with chunk c - 1
     const int kb = k0 + c * KC;
     if (c + 1 < nchunks) {
+      if constexpr (F8) rows.issue_scales(sc_s + ((c + 1) & 1) * 2 * KC, sc_s + ((c + 1) & 1) * 2 * KC + KC, a.ksc, a.vsc);
       rows.issue(kbuf + ((c + 1) & 1) * KC * L::ROW, vbuf + ((c + 1) & 1) * KC * L::ROW, kc, vc);
       if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * KC, k1);
     }
-    const T* ks = kbuf + (c & 1) * KC * L::ROW;
-    const T* vs = vbuf + (c & 1) * KC * L::ROW;
+    const C* ks = kbuf + (c & 1) * KC * L::ROW;
+    const C* vs = vbuf + (c & 1) * KC * L::ROW;
+    const float* kscale = sc_s + (c & 1) * 2 * KC;  // F8 only
+    const float* vscale = kscale + KC;
     // scores S[head][key] (log2 units)
     for (int pr = threadIdx.x / tpp; pr < P; pr += NT / tpp) {
       const int hh = pr / KC, key = pr - hh * KC;
       const float* qv = qs + hh * D;
-      const T* kr = ks + key * L::ROW;
+      const C* kr = ks + key * L::ROW;
       float dot = 0.f;
       for (int v = sub; v < L::VPR; v += tpp) {
-        const Vec<T, L::VE> kv = *reinterpret_cast<const Vec<T, L::VE>*>(kr + v * L::VE);
+        const Vec<C, L::VE> kv = *reinterpret_cast<const Vec<C, L::VE>*>(kr + v * L::VE);
 #pragma unroll
-        for (int e = 0; e < L::VE; ++e) dot += qv[v * L::VE + e] * to_f<T>(kv.v[e]);
+        for (int e = 0; e < L::VE; ++e) dot += qv[v * L::VE + e] * cache_to_f<C>(kv.v[e]);
       }
       for (int o = 1; o < tpp; o <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if constexpr (F8) dot *= kscale[key];  // a key's scale multiplies its whole score
       if (sub == 0) S[pr] = kb + key < k1 ? dot : -CUDART_INF_F;
     }
     __syncthreads();
@@ -217,7 +242,8 @@ __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
       const float m_new = fmaxf(m_old, warp_max(sv));
       const float p = m_new == -CUDART_INF_F ? 0.f : exp2f(sv - m_new);
       const float sum = warp_sum(p);
-      S[hh * KC + lane] = p;
+      if constexpr (F8) S[hh * KC + lane] = p * vscale[lane];  // V's scale folded into its probability
+      else S[hh * KC + lane] = p;
       if (lane == 0) {
         const float al = m_new == -CUDART_INF_F ? 1.f : exp2f(m_old - m_new);
         al_s[hh] = al;
@@ -237,10 +263,10 @@ __global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
         const float* pr = S + hh * KC;
 #pragma unroll 8
         for (int k = 0; k < KC; ++k) {
-          const T* vv = vs + k * L::ROW + dp * 2;
+          const C* vv = vs + k * L::ROW + dp * 2;
           const float p = pr[k];
-          a0 += p * to_f<T>(vv[0]);
-          a1 += p * to_f<T>(vv[1]);
+          a0 += p * cache_to_f<C>(vv[0]);
+          a1 += p * cache_to_f<C>(vv[1]);
         }
         acc[n][0] = a0;
         acc[n][1] = a1;
@@ -553,15 +579,15 @@ void set_smem(K kernel, size_t bytes) {
                    "fdl_paged_attention: cudaFuncSetAttribute");
 }
 
-// Blocks of the per-token kernel resident on one SM for this dtype, head_dim and g (cached).
-template <typename T, int D>
+// Blocks of the per-token kernel resident on one SM for this dtype, cache type, head_dim and g (cached).
+template <typename T, typename C, int D>
 int decode_blocks_per_sm(int g) {
   static int cache[MAXG + 1] = {};
   int& v = cache[g];
   if (v == 0) {
-    set_smem(attn_decode_kernel<T, D>, decode_smem<T, D>(MAXG));
+    set_smem(attn_decode_kernel<T, C, D>, decode_smem<C, D>(MAXG));
     int n = 0;
-    FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, D>, NT, decode_smem<T, D>(g)),
+    FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, C, D>, NT, decode_smem<C, D>(g)),
                    "fdl_paged_attention: occupancy query");
     v = std::max(1, n);
   }
@@ -589,32 +615,37 @@ int choose_splits(int64_t work, int64_t by_ctx, int64_t slots) {
   return best;
 }
 
-template <typename T, int D>
+// C: the caches' element type (T, or uint8_t for FP8 caches, which only bf16 / fp16 at head_dim 64 / 128 take:
+// their prefill rows always go to the tensor-core kernel).
+template <typename T, typename C, int D>
 void launch_attention(Args a, bool tiles, cudaStream_t s) {
   if (a.T == 0) return;
-  const size_t dsm = decode_smem<T, D>(a.g);
+  const size_t dsm = decode_smem<C, D>(a.g);
   // bf16 / fp16 at head_dim 64 / 128 take the tensor-core tile kernel (attention_mma.cuh) unless FDLITE_ATTN_MMA=0
+  constexpr bool f8 = std::is_same<C, uint8_t>::value;
   constexpr bool mma = !std::is_same<T, float>::value && (D == 64 || D == 128);
+  static_assert(!f8 || mma, "FP8 caches: bf16 / fp16 at head_dim 64 / 128 only");
   constexpr int mma_d = D == 64 ? 64 : 128;
   static bool init = false;
   if (!init) {  // host-side attributes, set once per instantiation (also fine during a capture)
-    set_smem(attn_decode_kernel<T, D>, decode_smem<T, D>(MAXG));
-    set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
-    if constexpr (mma) set_smem(attn_mma_kernel<T, mma_d>, MmaTile<mma_d>::bytes);
+    set_smem(attn_decode_kernel<T, C, D>, decode_smem<C, D>(MAXG));
+    if constexpr (!f8) set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
+    if constexpr (mma) set_smem(attn_mma_kernel<T, mma_d, f8>, MmaTile<mma_d, f8>::bytes);
     init = true;
   }
-  launch("attn_decode_kernel", attn_decode_kernel<T, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s, pdl_rows(a.T),
-         a);
+  launch("attn_decode_kernel", attn_decode_kernel<T, C, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s,
+         pdl_rows(a.T), a);
   if (!tiles) return;
   if constexpr (mma) {
-    if (options().attn_mma) {
-      const int tile_tokens = MmaTile<mma_d>::BM / a.g;
-      launch("attn_mma_kernel", attn_mma_kernel<T, mma_d>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh),
-             MmaTile<mma_d>::NTH, MmaTile<mma_d>::bytes, s, false, a, tile_tokens);
+    if (f8 || options().attn_mma) {
+      const int tile_tokens = MmaTile<mma_d, f8>::BM / a.g;
+      launch("attn_mma_kernel", attn_mma_kernel<T, mma_d, f8>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh),
+             MmaTile<mma_d, f8>::NTH, MmaTile<mma_d, f8>::bytes, s, false, a, tile_tokens);
       FDL_CHECK_LAUNCH("fdl_paged_attention (tensor-core tile kernel)");
       return;
     }
   }
+  if constexpr (f8) return;  // (unreachable: FP8 always takes the tensor-core kernel)
   const int tile_tokens = BM / a.g;
   launch("attn_tile_kernel", attn_tile_kernel<T, D>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh), NT,
          TileLayout<T, D>::bytes, s, false, a, tile_tokens);
@@ -631,11 +662,15 @@ using namespace fdl;
 // max_q_len: an upper bound on any row's q_len known to the caller (1 for decode-only graphs: the
 // tile kernel is then not launched); 0 = unknown. num_splits: KV splits of the per-token kernel,
 // 0 = chosen from the shapes (T, kv heads, max_blocks * block_size) and the SMs' room (choose_splits).
-std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
-                                           const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
+// fdl_paged_attention_fp8(q, k_cache, v_cache, k_scale, v_scale, ...): the same over FP8 caches (uint8 e4m3 bits
+// and float32 scales [blocks, kv_heads, block_size]); bf16 / fp16 q, head_dim 64 / 128.
+namespace {
+std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                           const paddle::Tensor& v_cache, const paddle::Tensor* k_scale,
+                                           const paddle::Tensor* v_scale, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& seq_lens, const paddle::Tensor& cu_seqlens,
                                            float scale, int max_q_len, int num_splits) {
-  const char* op = "fdl_paged_attention";
+  const bool f8 = k_scale != nullptr;
   for (const paddle::Tensor* t : std::initializer_list<const paddle::Tensor*>{&q, &k_cache, &v_cache, &block_tables, &seq_lens, &cu_seqlens}) check_gpu(*t, op, "input");
   const auto& cs = k_cache.shape();
   PD_CHECK(cs.size() == 4 && v_cache.shape() == cs, op, ": caches must be [blocks, kv_heads, block_size, head_dim]");
@@ -646,7 +681,19 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   PD_CHECK(kvh > 0 && h % kvh == 0, op, ": heads must be a multiple of kv_heads");
   const int g = h / kvh;
   PD_CHECK(g <= MAXG, op, ": at most 16 query heads per KV head");
-  PD_CHECK(k_cache.dtype() == q.dtype() && v_cache.dtype() == q.dtype(), op, ": caches must have q's dtype");
+  if (f8) {
+    check_gpu(*k_scale, op, "k_scale");
+    check_gpu(*v_scale, op, "v_scale");
+    PD_CHECK(k_cache.dtype() == paddle::DataType::UINT8 && v_cache.dtype() == paddle::DataType::UINT8, op,
+             ": FP8 caches must be uint8 (e4m3 bits)");
+    PD_CHECK(k_scale->dtype() == paddle::DataType::FLOAT32 && v_scale->dtype() == paddle::DataType::FLOAT32 &&
+                 k_scale->numel() * d == k_cache.numel() && v_scale->numel() * d == v_cache.numel(),
+             op, ": scales must be float32 [blocks, kv_heads, block_size]");
+    PD_CHECK(q.dtype() != paddle::DataType::FLOAT32 && (d == 64 || d == 128), op,
+             ": FP8 caches take bf16 / fp16 models at head_dim 64 or 128");
+  } else {
+    PD_CHECK(k_cache.dtype() == q.dtype() && v_cache.dtype() == q.dtype(), op, ": caches must have q's dtype");
+  }
   PD_CHECK(block_tables.dtype() == paddle::DataType::INT32 && seq_lens.dtype() == paddle::DataType::INT32 &&
                cu_seqlens.dtype() == paddle::DataType::INT32,
            op, ": block_tables, seq_lens_kv and cu_seqlens_q must be int32");
@@ -658,11 +705,17 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   if (splits <= 0) {
     int per_sm = 1;
     FDL_FLOAT_SWITCH(q.dtype(), T_, op, {
-      switch (d) {
-        case 64: per_sm = decode_blocks_per_sm<T_, 64>(g); break;
-        case 128: per_sm = decode_blocks_per_sm<T_, 128>(g); break;
-        case 256: per_sm = decode_blocks_per_sm<T_, 256>(g); break;
-        default: PD_THROW(op, ": head_dim must be 64, 128 or 256");
+      if (f8) {
+        if constexpr (!std::is_same<T_, float>::value) {
+          per_sm = d == 64 ? decode_blocks_per_sm<T_, uint8_t, 64>(g) : decode_blocks_per_sm<T_, uint8_t, 128>(g);
+        }
+      } else {
+        switch (d) {
+          case 64: per_sm = decode_blocks_per_sm<T_, T_, 64>(g); break;
+          case 128: per_sm = decode_blocks_per_sm<T_, T_, 128>(g); break;
+          case 256: per_sm = decode_blocks_per_sm<T_, T_, 256>(g); break;
+          default: PD_THROW(op, ": head_dim must be 64, 128 or 256");
+        }
       }
     });
     splits = choose_splits(T * kvh, std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC)),
@@ -676,6 +729,8 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   a.q = q.data();
   a.kc = k_cache.data();
   a.vc = v_cache.data();
+  a.ksc = f8 ? static_cast<const float*>(k_scale->data()) : nullptr;
+  a.vsc = f8 ? static_cast<const float*>(v_scale->data()) : nullptr;
   a.block_tables = block_tables.data<int>();
   a.seq_lens = seq_lens.data<int>();
   a.cu = cu_seqlens.data<int>();
@@ -699,14 +754,39 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const bool tiles = (max_q_len <= 0 ? T : max_q_len) > kDecodeMaxQ && B > 0;
   cudaStream_t s = stream_of(q);
   FDL_FLOAT_SWITCH(q.dtype(), T_, op, {
-    switch (d) {
-      case 64: launch_attention<T_, 64>(a, tiles, s); break;
-      case 128: launch_attention<T_, 128>(a, tiles, s); break;
-      case 256: launch_attention<T_, 256>(a, tiles, s); break;
-      default: PD_THROW(op, ": head_dim must be 64, 128 or 256");
+    if (f8) {
+      if constexpr (!std::is_same<T_, float>::value) {
+        if (d == 64) launch_attention<T_, uint8_t, 64>(a, tiles, s);
+        else launch_attention<T_, uint8_t, 128>(a, tiles, s);
+      }
+    } else {
+      switch (d) {
+        case 64: launch_attention<T_, T_, 64>(a, tiles, s); break;
+        case 128: launch_attention<T_, T_, 128>(a, tiles, s); break;
+        case 256: launch_attention<T_, T_, 256>(a, tiles, s); break;
+        default: PD_THROW(op, ": head_dim must be 64, 128 or 256");
+      }
     }
   });
   return {out};
+}
+}  // namespace
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                           const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
+                                           const paddle::Tensor& seq_lens, const paddle::Tensor& cu_seqlens,
+                                           float scale, int max_q_len, int num_splits) {
+  return attention_impl("fdl_paged_attention", q, k_cache, v_cache, nullptr, nullptr, block_tables, seq_lens,
+                        cu_seqlens, scale, max_q_len, num_splits);
+}
+
+std::vector<paddle::Tensor> PagedAttentionFp8(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                              const paddle::Tensor& v_cache, const paddle::Tensor& k_scale,
+                                              const paddle::Tensor& v_scale, const paddle::Tensor& block_tables,
+                                              const paddle::Tensor& seq_lens, const paddle::Tensor& cu_seqlens,
+                                              float scale, int max_q_len, int num_splits) {
+  return attention_impl("fdl_paged_attention_fp8", q, k_cache, v_cache, &k_scale, &v_scale, block_tables, seq_lens,
+                        cu_seqlens, scale, max_q_len, num_splits);
 }
 
 PD_BUILD_OP(fdl_paged_attention)
@@ -714,3 +794,9 @@ PD_BUILD_OP(fdl_paged_attention)
     .Outputs({"Out"})
     .Attrs({"scale: float", "max_q_len: int", "num_splits: int"})
     .SetKernelFn(PD_KERNEL(PagedAttention));
+
+PD_BUILD_OP(fdl_paged_attention_fp8)
+    .Inputs({"Q", "KCache", "VCache", "KScale", "VScale", "BlockTables", "SeqLensKV", "CuSeqlensQ"})
+    .Outputs({"Out"})
+    .Attrs({"scale: float", "max_q_len: int", "num_splits: int"})
+    .SetKernelFn(PD_KERNEL(PagedAttentionFp8));

@@ -11,6 +11,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -179,6 +180,19 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return
 template <typename T>
 __device__ __forceinline__ float round_to(float v) { return to_f<T>(from_f<T>(v)); }
 
+// FP8 (e4m3) KV cache values (kv_cache_dtype="fp8", fdlite/kvcache/fp8_cache.py): bits <-> float, round to
+// nearest even, saturated to +-448 (the CPU path's astype(float8_e4m3fn) of values within +-448).
+__device__ __forceinline__ float e4m3_to_f(uint8_t b) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3)));
+}
+__device__ __forceinline__ uint8_t f_to_e4m3(float v) { return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
+
+// A KV-cache element as float: the model's dtype, or e4m3 bits (its scale applied by the caller).
+template <typename C>
+__device__ __forceinline__ float cache_to_f(C v) { return to_f<C>(v); }
+template <>
+__device__ __forceinline__ float cache_to_f<uint8_t>(uint8_t v) { return e4m3_to_f(v); }
+
 // N elements of T moved as one aligned access (16 bytes when N * sizeof(T) == 16).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -199,6 +213,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   const int n = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+// 4 bytes (an FP8 cache row's scale); zeros when !valid.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // "memory": shared-memory reads after it may not be moved above it (no block barrier needs to follow).

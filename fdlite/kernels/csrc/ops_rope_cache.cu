@@ -7,9 +7,15 @@
 //   token's slot: cache row ((slot / block_size) * kvh + head) * block_size + slot % block_size.
 //   A negative slot writes nothing (padded tokens may also point at the scratch block).
 //
+// FP8 caches (kv_cache_dtype="fp8", fdl_rope_qk_norm_cache_fp8): k and v are rounded to the model dtype (what a
+// model-dtype cache would hold), then each (token, KV head) vector is written as e4m3 bits of value / scale with
+// scale = amax / 448 into a float32 scale per cache row, as fdlite/kvcache/fp8_cache.py does on the CPU.
+//
 // cos / sin are the CPU path's tables [max_positions, d] (llama3 scaling already folded in), float32
 // or the model dtype. Arithmetic in float32; the q/k norm output is rounded to the model dtype
 // before rotation (as the CPU path / Hugging Face, where the norm is a separate op).
+#include <type_traits>
+
 #include "ops_common.cuh"
 
 namespace fdl {
@@ -17,9 +23,9 @@ namespace {
 
 // One warp per (token, head) of q, k and v heads. Lane l holds pairs (i, i + d/2) for
 // i = l, l + 32, ...: the rotate_half partner is in the same thread.
-template <typename T, typename C, int PAIRS>
-__global__ void rope_cache_kernel(T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
-                                  const T* __restrict__ qkv, const int64_t* __restrict__ positions,
+template <typename T, typename C, int PAIRS, bool F8>
+__global__ void rope_cache_kernel(T* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache,
+                                  float* __restrict__ k_scale, float* __restrict__ v_scale, const T* __restrict__ qkv, const int64_t* __restrict__ positions,
                                   const int64_t* __restrict__ slots, const C* __restrict__ cos_t,
                                   const C* __restrict__ sin_t, const T* __restrict__ qw, const T* __restrict__ kw,
                                   int64_t tokens, int h, int kvh, int d, int block_size, int64_t max_pos,
@@ -78,10 +84,32 @@ __global__ void rope_cache_kernel(T* __restrict__ q_out, T* __restrict__ k_cache
     dst = q_out + (t * h + hd) * (int64_t)d;
   } else {
     const int64_t slot = slots[t];
-    if (slot < 0) return;
+    if (slot < 0) return;  // the whole warp: one (token, head) per warp
     const int j = is_k ? hd - h : hd - h - kvh;
     const int64_t row = (slot / block_size * kvh + j) * block_size + slot % block_size;
-    dst = (is_k ? k_cache : v_cache) + row * d;
+    if constexpr (F8) {
+      float amax = 0.f;
+#pragma unroll
+      for (int p = 0; p < PAIRS; ++p) {
+        x1[p] = round_to<T>(x1[p]);  // 0 for i >= half
+        x2[p] = round_to<T>(x2[p]);
+        amax = fmaxf(amax, fmaxf(fabsf(x1[p]), fabsf(x2[p])));
+      }
+      amax = warp_max(amax);
+      const float sc = amax > 0.f ? amax / 448.f : 1.f;
+      uint8_t* d8 = static_cast<uint8_t*>(is_k ? k_cache : v_cache) + row * d;
+#pragma unroll
+      for (int p = 0; p < PAIRS; ++p) {
+        const int i = lane + 32 * p;
+        if (i < half) {
+          d8[i] = f_to_e4m3(x1[p] / sc);
+          d8[i + half] = f_to_e4m3(x2[p] / sc);
+        }
+      }
+      if (lane == 0) (is_k ? k_scale : v_scale)[row] = sc;
+      return;
+    }
+    dst = static_cast<T*>(is_k ? k_cache : v_cache) + row * d;
   }
 #pragma unroll
   for (int p = 0; p < PAIRS; ++p) {
@@ -93,8 +121,8 @@ __global__ void rope_cache_kernel(T* __restrict__ q_out, T* __restrict__ k_cache
   }
 }
 
-template <typename T, typename C>
-void launch_rope(T* q, T* kc, T* vc, const T* qkv, const int64_t* pos, const int64_t* slots, const C* cs, const C* sn,
+template <typename T, typename C, bool F8>
+void launch_rope(T* q, void* kc, void* vc, float* ksc, float* vsc, const T* qkv, const int64_t* pos, const int64_t* slots, const C* cs, const C* sn,
                  const T* qw, const T* kw, int64_t tokens, int h, int kvh, int d, int bs, int64_t max_pos, bool norm,
                  float eps, cudaStream_t s) {
   if (tokens == 0) return;
@@ -103,7 +131,7 @@ void launch_rope(T* q, T* kc, T* vc, const T* qkv, const int64_t* pos, const int
   const unsigned blocks = (unsigned)ceil_div(units, warps);
   const int pairs = (int)ceil_div(d / 2, 32);
 #define FDL_ROPE(P)                                                                                    \
-  launch("rope_cache_kernel", rope_cache_kernel<T, C, P>, blocks, warps * 32, 0, s, pdl_rows(tokens), q, kc, vc, qkv, pos, slots, cs, sn, qw, kw, \
+  launch("rope_cache_kernel", rope_cache_kernel<T, C, P, F8>, blocks, warps * 32, 0, s, pdl_rows(tokens), q, kc, vc, ksc, vsc, qkv, pos, slots, cs, sn, qw, kw, \
                                                             tokens, h, kvh, d, bs, max_pos, norm, eps)
   if (pairs <= 1) FDL_ROPE(1);
   else if (pairs <= 2) FDL_ROPE(2);
@@ -120,12 +148,15 @@ using namespace fdl;
 // fdl_rope_qk_norm_cache(qkv, positions, slot_mapping, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache,
 //                        num_heads, qk_norm, epsilon) -> q [T, h, d]; k_cache / v_cache written in place.
 // q_norm_w / k_norm_w [d] are read only with qk_norm (pass any GPU tensor otherwise).
-std::vector<paddle::Tensor> RopeQkNormCache(const paddle::Tensor& qkv, const paddle::Tensor& positions,
-                                            const paddle::Tensor& slots, const paddle::Tensor& cos_t,
-                                            const paddle::Tensor& sin_t, const paddle::Tensor& qw,
-                                            const paddle::Tensor& kw, paddle::Tensor& k_cache,
-                                            paddle::Tensor& v_cache, int num_heads, bool qk_norm, float eps) {
-  const char* op = "fdl_rope_qk_norm_cache";
+// fdl_rope_qk_norm_cache_fp8(..., k_cache, v_cache, k_scale, v_scale, ...): the same into an FP8 cache (uint8
+// e4m3 bits [blocks, kv_heads, block_size, head_dim] and float32 scales [blocks, kv_heads, block_size]).
+namespace {
+std::vector<paddle::Tensor> rope_impl(const char* op, const paddle::Tensor& qkv, const paddle::Tensor& positions,
+                                      const paddle::Tensor& slots, const paddle::Tensor& cos_t,
+                                      const paddle::Tensor& sin_t, const paddle::Tensor& qw, const paddle::Tensor& kw,
+                                      paddle::Tensor& k_cache, paddle::Tensor& v_cache, paddle::Tensor* k_scale,
+                                      paddle::Tensor* v_scale, int num_heads, bool qk_norm, float eps) {
+  const bool f8 = k_scale != nullptr;
   for (const paddle::Tensor* t : std::initializer_list<const paddle::Tensor*>{&qkv, &positions, &slots, &cos_t, &sin_t, &k_cache, &v_cache}) check_gpu(*t, op, "input");
   const auto& cs = k_cache.shape();
   PD_CHECK(cs.size() == 4 && v_cache.shape() == cs, op, ": caches must be [blocks, kv_heads, block_size, head_dim]");
@@ -138,7 +169,17 @@ std::vector<paddle::Tensor> RopeQkNormCache(const paddle::Tensor& qkv, const pad
   PD_CHECK(positions.numel() == tokens && slots.numel() == tokens, op, ": positions / slot_mapping must be [T]");
   PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64, op,
            ": positions and slot_mapping must be int64");
-  PD_CHECK(k_cache.dtype() == qkv.dtype() && v_cache.dtype() == qkv.dtype(), op, ": caches must have qkv's dtype");
+  if (f8) {
+    check_gpu(*k_scale, op, "k_scale");
+    check_gpu(*v_scale, op, "v_scale");
+    PD_CHECK(k_cache.dtype() == paddle::DataType::UINT8 && v_cache.dtype() == paddle::DataType::UINT8, op,
+             ": FP8 caches must be uint8 (e4m3 bits)");
+    PD_CHECK(k_scale->dtype() == paddle::DataType::FLOAT32 && v_scale->dtype() == paddle::DataType::FLOAT32 &&
+                 k_scale->numel() * d == k_cache.numel() && v_scale->numel() * d == v_cache.numel(),
+             op, ": scales must be float32 [blocks, kv_heads, block_size]");
+  } else {
+    PD_CHECK(k_cache.dtype() == qkv.dtype() && v_cache.dtype() == qkv.dtype(), op, ": caches must have qkv's dtype");
+  }
   PD_CHECK(cos_t.shape().size() == 2 && cos_t.shape()[1] == d && sin_t.shape() == cos_t.shape() &&
                sin_t.dtype() == cos_t.dtype(),
            op, ": cos / sin must be [max_positions, head_dim] of one dtype");
@@ -153,22 +194,49 @@ std::vector<paddle::Tensor> RopeQkNormCache(const paddle::Tensor& qkv, const pad
   paddle::Tensor q = paddle::empty({tokens, num_heads, d}, qkv.dtype(), qkv.place());
   cudaStream_t s = stream_of(qkv);
   const int64_t max_pos = cos_t.shape()[0];
+  float* ksc = f8 ? static_cast<float*>(k_scale->data()) : nullptr;
+  float* vsc = f8 ? static_cast<float*>(v_scale->data()) : nullptr;
   FDL_FLOAT_SWITCH(qkv.dtype(), T, op, {
     const T* qwp = qk_norm ? static_cast<const T*>(qw.data()) : nullptr;
     const T* kwp = qk_norm ? static_cast<const T*>(kw.data()) : nullptr;
-    if (cos_t.dtype() == paddle::DataType::FLOAT32)
-      launch_rope<T, float>(static_cast<T*>(q.data()), static_cast<T*>(k_cache.data()), static_cast<T*>(v_cache.data()),
-                            static_cast<const T*>(qkv.data()), positions.data<int64_t>(), slots.data<int64_t>(),
-                            static_cast<const float*>(cos_t.data()), static_cast<const float*>(sin_t.data()), qwp, kwp,
-                            tokens, num_heads, kvh, d, bs, max_pos, qk_norm, eps, s);
-    else
-      launch_rope<T, T>(static_cast<T*>(q.data()), static_cast<T*>(k_cache.data()), static_cast<T*>(v_cache.data()),
-                        static_cast<const T*>(qkv.data()), positions.data<int64_t>(), slots.data<int64_t>(),
-                        static_cast<const T*>(cos_t.data()), static_cast<const T*>(sin_t.data()), qwp, kwp, tokens,
-                        num_heads, kvh, d, bs, max_pos, qk_norm, eps, s);
+    auto go = [&](auto f8_tag) {
+      constexpr bool F8 = decltype(f8_tag)::value;
+      if (cos_t.dtype() == paddle::DataType::FLOAT32)
+        launch_rope<T, float, F8>(static_cast<T*>(q.data()), k_cache.data(), v_cache.data(), ksc, vsc,
+                                  static_cast<const T*>(qkv.data()), positions.data<int64_t>(), slots.data<int64_t>(),
+                                  static_cast<const float*>(cos_t.data()), static_cast<const float*>(sin_t.data()), qwp,
+                                  kwp, tokens, num_heads, kvh, d, bs, max_pos, qk_norm, eps, s);
+      else
+        launch_rope<T, T, F8>(static_cast<T*>(q.data()), k_cache.data(), v_cache.data(), ksc, vsc,
+                              static_cast<const T*>(qkv.data()), positions.data<int64_t>(), slots.data<int64_t>(),
+                              static_cast<const T*>(cos_t.data()), static_cast<const T*>(sin_t.data()), qwp, kwp,
+                              tokens, num_heads, kvh, d, bs, max_pos, qk_norm, eps, s);
+    };
+    if (f8) go(std::true_type{});
+    else go(std::false_type{});
   });
   FDL_CHECK_LAUNCH(op);
   return {q};
+}
+}  // namespace
+
+std::vector<paddle::Tensor> RopeQkNormCache(const paddle::Tensor& qkv, const paddle::Tensor& positions,
+                                            const paddle::Tensor& slots, const paddle::Tensor& cos_t,
+                                            const paddle::Tensor& sin_t, const paddle::Tensor& qw,
+                                            const paddle::Tensor& kw, paddle::Tensor& k_cache,
+                                            paddle::Tensor& v_cache, int num_heads, bool qk_norm, float eps) {
+  return rope_impl("fdl_rope_qk_norm_cache", qkv, positions, slots, cos_t, sin_t, qw, kw, k_cache, v_cache, nullptr,
+                   nullptr, num_heads, qk_norm, eps);
+}
+
+std::vector<paddle::Tensor> RopeQkNormCacheFp8(const paddle::Tensor& qkv, const paddle::Tensor& positions,
+                                               const paddle::Tensor& slots, const paddle::Tensor& cos_t,
+                                               const paddle::Tensor& sin_t, const paddle::Tensor& qw,
+                                               const paddle::Tensor& kw, paddle::Tensor& k_cache,
+                                               paddle::Tensor& v_cache, paddle::Tensor& k_scale,
+                                               paddle::Tensor& v_scale, int num_heads, bool qk_norm, float eps) {
+  return rope_impl("fdl_rope_qk_norm_cache_fp8", qkv, positions, slots, cos_t, sin_t, qw, kw, k_cache, v_cache,
+                   &k_scale, &v_scale, num_heads, qk_norm, eps);
 }
 
 PD_BUILD_OP(fdl_rope_qk_norm_cache)
@@ -177,3 +245,10 @@ PD_BUILD_OP(fdl_rope_qk_norm_cache)
     .Attrs({"num_heads: int", "qk_norm: bool", "epsilon: float"})
     .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
     .SetKernelFn(PD_KERNEL(RopeQkNormCache));
+
+PD_BUILD_OP(fdl_rope_qk_norm_cache_fp8)
+    .Inputs({"QKV", "Positions", "SlotMapping", "Cos", "Sin", "QNormW", "KNormW", "KCache", "VCache", "KScale", "VScale"})
+    .Outputs({"Q", "KCacheOut", "VCacheOut", "KScaleOut", "VScaleOut"})
+    .Attrs({"num_heads: int", "qk_norm: bool", "epsilon: float"})
+    .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}, {"KScale", "KScaleOut"}, {"VScale", "VScaleOut"}})
+    .SetKernelFn(PD_KERNEL(RopeQkNormCacheFp8));
