@@ -146,8 +146,10 @@ size_t decode_smem(int g) {
   return decode_kv_offset<D>(g) + 2 * (size_t)L::KV_ELEMS * sizeof(C) + (f8 ? 4 * KC * sizeof(float) : 0);
 }
 
+// 6 blocks per SM (80 registers) at head_dim <= 128: what shared memory allows for bf16 / fp16 there, and what the
+// split rule measured (choose_splits); left to itself ptxas took 96 registers here and lost a sixth of the slots.
 template <typename T, typename C, int D>
-__global__ void __launch_bounds__(NT) attn_decode_kernel(Args a) {
+__global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args a) {
   pdl_trigger();
   pdl_wait();
   using L = Layout<C, D>;
