@@ -120,6 +120,13 @@ class EngineConfig:
     reasoning_parser: str | None = _opt(
         None, "Split a thinking model's <think>...</think> part of each output into CompletionOutput.reasoning_content "
         "(text keeps the answer): qwen3 or ernie45, as vLLM's parsers of those names; none: text is the whole output.")
+    load_format: str = _opt(
+        "auto", "How the weights are loaded (vLLM's name): auto (the model folder's safetensors, either checkpoint "
+        "layout) or dummy (no weight file is read, config.json is enough: every parameter gets seeded pseudo-random "
+        "values, normal with the config's initializer_range (0.02), norms 1, biases 0; for speed and memory "
+        "measurements of models whose weights you do not have; the tokenizer is still loaded unless "
+        "skip_tokenizer_init)."
+    )
     dtype: str = _opt("auto", "Weight/activation dtype: auto (from config.json), float32, bfloat16 or float16.")
     device: str | None = _opt(
         None, "Device to compute on: cpu, gpu or gpu:N (default: Paddle's current device, as paddle.set_device left "
@@ -232,6 +239,9 @@ class EngineConfig:
         if kv not in ("auto", "fp8", "fp8_e4m3", "float8_e4m3fn"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8 (fp8_e4m3, float8_e4m3fn), got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = "auto" if kv == "auto" else "fp8"
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto (read the model's safetensors) or dummy (random weights from "
+                             f"config.json alone), got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         # Options left unset and filled in here; `resolve_max_model_len` fills them in again.

@@ -71,7 +71,8 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         check_graph_opt_level(self.config.graph_optimization_config.graph_opt_level)
         # A model id ("Qwen/Qwen3-0.6B") becomes its Hugging Face cache folder (model_source.py).
-        self.model_path = resolve_model(model) if model else default_model_path()
+        self.model_path = (resolve_model(model, weights=self.config.load_format != "dummy") if model
+                           else default_model_path())
         if model:
             logger.info("model: %s", model if model == self.model_path else f"{model} ({self.model_path})")
         else:

@@ -28,17 +28,19 @@ def is_model_id(model: str) -> bool:
     return bool(_ID.match(model)) and not model.startswith((".", "~"))
 
 
-def resolve_model(model: str) -> str:
+def resolve_model(model: str, weights: bool = True) -> str:
     """The local folder of `model`: itself when it is a folder (or path-like), else the cached or
-    downloaded snapshot of the Hugging Face model id."""
+    downloaded snapshot of the Hugging Face model id. weights=False (`load_format="dummy"`): the
+    snapshot's config and tokenizer files suffice, and no weight file is fetched."""
     if os.path.isdir(model) or not is_model_id(model):
         return model
     from huggingface_hub import constants, snapshot_download  # noqa: PLC0415 - only ids need it
     from huggingface_hub.errors import LocalEntryNotFoundError  # noqa: PLC0415
 
     cache = constants.HF_HUB_CACHE
+    patterns = FILE_PATTERNS if weights else [p for p in FILE_PATTERNS if p != "*.safetensors"]
     try:
-        return snapshot_download(model, allow_patterns=FILE_PATTERNS, local_files_only=True)
+        return snapshot_download(model, allow_patterns=patterns, local_files_only=True)
     except LocalEntryNotFoundError:
         pass
     hint = (f"model {model!r} is not a folder and not in the Hugging Face cache ({cache}, set by HF_HUB_CACHE "
@@ -49,6 +51,6 @@ def resolve_model(model: str) -> str:
         raise FileNotFoundError(f"{hint}, and HF_HUB_OFFLINE is set, so nothing was downloaded{how}") from None
     logger.info("downloading %s from the Hugging Face Hub into %s", model, cache)
     try:
-        return snapshot_download(model, allow_patterns=FILE_PATTERNS)
+        return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:  # noqa: BLE001 - network, auth and not-found errors all end the same way
         raise FileNotFoundError(f"{hint}, and the download failed ({type(e).__name__}: {e}){how}") from e

@@ -672,6 +672,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "dummy-router-differs-per-rank",
+        "load_format='dummy' gives every rank its own values of the replicated parameters too (the MoE router), so "
+        "ranks route tokens to different experts",
+        (Edit("fdlite/models/dummy_weights.py",
+              "                rank = model.tp.rank if _split_by_tp(pieces[name], model) else None\n",
+              "                rank = model.tp.rank  # MUTATION\n"),),
+        ("tests/test_dummy_weights.py::test_tensor_parallel_ranks_fill_their_own_shards_and_share_the_router",),
+        "new",
+    ),
+    Mutation(
+        "dummy-norms-random",
+        "load_format='dummy' fills RMSNorm weights with random values (about 0) instead of 1",
+        (Edit("fdlite/models/dummy_weights.py",
+              "            if name in norms or name.endswith(\"bias\"):\n",
+              "            if name.endswith(\"bias\"):  # MUTATION\n"),),
+        ("tests/test_dummy_weights.py::test_values_norms_one_biases_zero_weights_at_initializer_range",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)

@@ -81,7 +81,8 @@ def weight_files(path: str) -> list[str]:
         return files
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"model folder {path!r} has no *.safetensors weight file")
+        raise FileNotFoundError(f"model folder {path!r} has no *.safetensors weight file (load_format='dummy' runs "
+                                "a model from its config.json alone, with random weights)")
     return files
 
 
@@ -440,7 +441,7 @@ class _Writer:
         return self.staged[name]
 
 
-class _HostWriter(_Writer):
+class HostWriter(_Writer):
     """CPU: numpy writes straight into each parameter's memory (DLPack view); a dtype without DLPack (bfloat16)
     is assembled on the host and set once."""
 
@@ -471,7 +472,7 @@ class _HostWriter(_Writer):
             self.params[name].set_value(value)
 
 
-class _DeviceWriter(_Writer):
+class DeviceWriter(_Writer):
     """GPU: each piece that is whole rows of its parameter is one host-to-device copy at its offset, from the
     mapped file when its bytes are the parameter's already; other parameters are assembled on the host and
     copied once when complete (`done`)."""
@@ -523,29 +524,15 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
                      if isinstance(layer, Linear)}
     linear_params.update({f"{name}.{w}": layer.weight_out_in for name, layer in model.named_sublayers()
                           if isinstance(layer, FusedMoE) for w in ("gate_up_proj", "down_proj")})
-    expert_params = {name for name in params if name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     files = [SafetensorsFile(f) for f in weight_files(path)]
     layout = detect_layout(files, model, linear_params)
     # target param -> {piece: checkpoint name (Hugging Face spelling)} still to fill
-    pending: dict[str, dict] = {name: {None: name} for name in params}
-    for name in params:
-        for ckpt, fused, _ in _FUSED:
-            if name.endswith(fused + "weight") or name.endswith(fused + "bias"):
-                pending[name] = {p: name.replace(f, c) for c, f, p in _FUSED if f == fused}
-                break
-        for ckpt, model_name in _RENAMED:
-            if name.endswith(model_name):
-                pending[name] = {None: name[: -len(model_name)] + ckpt}
-        if name in expert_params:
-            base = name[: -len("experts.gate_up_proj")] if name.endswith("gate_up_proj") else name[: -len("experts.down_proj")]
-            kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
-            pending[name] = {(e, i): f"{base}experts.{e}.{k}_proj.weight"
-                             for e in range(params[name].shape[0]) for i, k in enumerate(kinds)}
+    pending = checkpoint_pieces(params)
     offsets = _piece_offsets(pending, model)
     # stored [in, out]: CPU linear weights and experts; the output axis is then the last
     in_out = {name: name in linear_params and not linear_params[name] for name in params}
     gpu = platform.is_gpu()
-    writer = _DeviceWriter(params) if gpu else _HostWriter(params)
+    writer = DeviceWriter(params) if gpu else HostWriter(params)
 
     try:
         for f in files:
@@ -576,6 +563,26 @@ def load_weights(model: DecoderForCausalLM, path: str) -> None:
         raise ValueError(f"missing tensor {shown}{more}{spelled} in the weights of {path!r}")
     if gpu and paddle.is_compiled_with_cuda():
         paddle.device.cuda.synchronize()  # a failed copy shows here, not in the first step
+
+
+def checkpoint_pieces(params: dict) -> dict[str, dict]:
+    """param name -> {piece: the checkpoint tensor (Hugging Face spelling) that fills it}: one piece (None) for
+    most, q/k/v and gate/up for the fused matrices, (expert, part) for the stacked experts."""
+    pieces: dict[str, dict] = {name: {None: name} for name in params}
+    for name in params:
+        for ckpt, fused, _ in _FUSED:
+            if name.endswith(fused + "weight") or name.endswith(fused + "bias"):
+                pieces[name] = {p: name.replace(f, c) for c, f, p in _FUSED if f == fused}
+                break
+        for ckpt, model_name in _RENAMED:
+            if name.endswith(model_name):
+                pieces[name] = {None: name[: -len(model_name)] + ckpt}
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            base = name[: -len("experts.gate_up_proj")] if name.endswith("gate_up_proj") else name[: -len("experts.down_proj")]
+            kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+            pieces[name] = {(e, i): f"{base}experts.{e}.{k}_proj.weight"
+                            for e in range(params[name].shape[0]) for i, k in enumerate(kinds)}
+    return pieces
 
 
 def _piece_offsets(pending: dict, model) -> dict:

@@ -25,6 +25,7 @@ from fdlite.kvcache.cache_tensors import KVCache, bytes_per_block
 from fdlite.models.model_config import ModelConfig
 from fdlite.models.registry import model_class
 from fdlite.models.tp_partition import TPPartition
+from fdlite.models.dummy_weights import fill_dummy_weights
 from fdlite.models.weight_loader import load_weights
 from fdlite.layers.forward_meta import FlatBatch
 from fdlite.layers.moe import balanced_routing
@@ -88,7 +89,10 @@ class ModelRunner:
         set_communicator(self.comm)
         self.tp = TPPartition.of(model_config, self.parallel.rank, tp_size)
         self.model = model_class(model_config.architecture)(model_config, self.dtype, config.max_model_len, self.tp)
-        load_weights(self.model, model_path)
+        if config.load_format == "dummy":
+            fill_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, model_path)
         self.model.eval()
         self.sampler = Sampler()
         self.bitmasks = BitmaskFiller(model_config.vocab_size)

@@ -17,6 +17,8 @@ fresh allocator and its startup numbers are its own:
     python3 tools/gpu/e2e_harness.py sampling   --out DIR   # each sampling feature's tokens/s beside plain sampling
     python3 tools/gpu/e2e_harness.py sampling_checks --out DIR  # penalties, bans, logprobs vs transformers; seeded graphs
     python3 tools/gpu/e2e_harness.py memory     --out DIR   # create / generate / del three times: same KV cache, memory back
+    python3 tools/gpu/e2e_harness.py moe_bench  --out DIR   # ERNIE-4.5-21B-A3B, Qwen3-30B-A3B, Qwen3-4B shapes (dummy
+                                                             # weights): protocol + prefill-heavy beside their roofline
 
 Each writes DIR/<section>.json as it goes (a crash keeps what was measured).
 """
@@ -41,13 +43,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "latency", "diag", "breakdown", "sampling", "churn",
-                                    "sampling_checks", "memory", "profile", "moe", "fp8"])
+                                    "sampling_checks", "memory", "profile", "moe", "fp8", "moe_bench"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
 ap.add_argument("--families", default="qwen2,qwen3,llama", help="fp32 parity families ('' for none)")
 ap.add_argument("--skip-bf16", action="store_true")
-ap.add_argument("--cases", default="", help="sampling: only the cases whose name holds one of these comma-separated words")
+ap.add_argument("--cases", default="", help="sampling, moe_bench: only the cases (moe_bench: shapes) whose name holds one "
+                                            "of these comma-separated words")
 ARGS = ap.parse_args()
 os.makedirs(ARGS.out, exist_ok=True)
 RES: dict = {"section": ARGS.section, "results": {}, "errors": []}
@@ -1445,11 +1448,151 @@ def section_moe():
             run(f"bf16_{fam}", lambda f=fam: bf16_case(f))
 
 
+# ---- MoE at full size: throughput and its roofline (issue 26's measurement) -----------------------
+
+# The real models' config.json (the keys fdlite reads: fdlite/models/model_config.py, MoESpec in fdlite/models/moe.py),
+# written alone into a folder: the engine runs them with load_format="dummy", so no weight is on disk.
+MOE_BENCH_SHAPES = {
+    # ERNIE-4.5-21B-A3B(-PT): layer 0 dense (12288 wide), layers 1-27 MoE: 6 of 64 experts of 1536, 2 shared,
+    # a float32 router with the score-correction bias (moe_use_aux_free), tied embeddings
+    "ernie45_21b_a3b": dict(
+        architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe", hidden_size=2560,
+        intermediate_size=12288, num_hidden_layers=28, num_attention_heads=20, num_key_value_heads=4, head_dim=128,
+        vocab_size=103424, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, use_bias=False,
+        tie_word_embeddings=True, moe_num_experts=64, moe_k=6, moe_intermediate_size=1536, moe_num_shared_experts=2,
+        moe_layer_start_index=1, moe_layer_end_index=27, moe_layer_interval=1, moe_use_aux_free=True,
+        moe_norm_min=1e-12, hidden_act="silu", torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2),
+    # Qwen3-30B-A3B: every layer MoE, 8 of 128 experts of 768, renormalised, no shared experts, untied head
+    "qwen3_30b_a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu", torch_dtype="bfloat16",
+        initializer_range=0.02, bos_token_id=151643, eos_token_id=151645),
+    # the dense comparison of about the same active parameters: Qwen3-4B (4.0B, vs 3.0B and 3.3B active above)
+    "qwen3_4b_dense": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=2560, intermediate_size=9728,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        hidden_act="silu", torch_dtype="bfloat16", initializer_range=0.02, bos_token_id=151643,
+        eos_token_id=151645),
+}
+# --quick (CPU): the same families and switches at toy sizes
+MOE_BENCH_QUICK = {
+    "ernie45_21b_a3b": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, vocab_size=16384, moe_num_experts=8, moe_k=3,
+                            moe_intermediate_size=32, moe_layer_end_index=2),
+    "qwen3_30b_a3b": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=16384, num_experts=16,
+                          num_experts_per_tok=4, moe_intermediate_size=32),
+    "qwen3_4b_dense": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=16384),
+}
+
+
+def config_only_model(name: str) -> str:
+    """A folder holding only `name`'s config.json (MOE_BENCH_SHAPES; toy sizes under --quick)."""
+    cfg = {**MOE_BENCH_SHAPES[name], **(MOE_BENCH_QUICK[name] if ARGS.quick else {})}
+    path = os.path.join(ARGS.models, f"{name}{'-quick' if ARGS.quick else ''}-config-only")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path
+
+
+def section_moe_bench():
+    """ERNIE-4.5-21B-A3B and Qwen3-30B-A3B shapes, and Qwen3-4B's as the dense comparison, bf16, random weights
+    (load_format="dummy": only config.json on disk), graphs on, one engine at a time: (a) the nano-vllm protocol's
+    output tokens/s and steps, (b) a prefill-heavy job (256 prompts of 1,024-2,040 tokens, 8 output tokens each)
+    in tokens/s; beside each, its roofline over the steps the engine ran (tools/gpu/moe_roofline.py: the experts a
+    step's tokens touch + the dense weights + KV at 3.0 TB/s, FLOPs at 790 TFLOP/s). `--cases a,b` runs only the
+    shapes whose name holds one of them (each full-size model is minutes of device time)."""
+    import gc  # noqa: PLC0415
+
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+    from moe_roofline import ModelCosts, StepLog, job_roofline  # noqa: PLC0415
+
+    names = [n for n in MOE_BENCH_SHAPES if not ARGS.cases or any(w in n for w in ARGS.cases.split(","))]
+    for name in names:
+        state = {}
+        costs = ModelCosts.from_dir(config_only_model(name))
+
+        def startup(name=name, costs=costs):
+            path = config_only_model(name)
+            t = time.time()
+            # max_num_batched_tokens 8192 as section_throughput's dense runs, so the numbers compare.
+            state["llm"] = LLM(path, load_format="dummy", skip_tokenizer_init=True, device=FDL_DEVICE,
+                               dtype="bfloat16" if FDL_DEVICE == "gpu" else "float32", max_num_seqs=256,
+                               max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True)
+            llm = state["llm"]
+            held = sum(int(np.prod(p.shape)) for p in llm.runner.model.parameters())
+            out = {"wall_s": round(time.time() - t, 1), "startup": llm.startup_report, "kv_blocks": llm.num_blocks,
+                   "kv_token_capacity": llm.num_blocks * llm.config.block_size,
+                   "params_held_B": float(f"{held / 1e9:.4g}"),
+                   "params_total_B": float(f"{costs.total_params / 1e9:.4g}"),
+                   "params_active_per_token_B": float(f"{costs.active_params / 1e9:.4g}"),
+                   "moe_layers": costs.num_moe_layers, "experts": costs.num_experts, "top_k": costs.top_k,
+                   "load_weights_GB_per_s": round(held * (2 if FDL_DEVICE == "gpu" else 4) / 1e9
+                                                    / max(llm.startup_report["load_weights_s"], 1e-9), 2)}
+            if FDL_DEVICE == "gpu":
+                import paddle  # noqa: PLC0415
+
+                out["memory_allocated_GiB"] = round(paddle.device.cuda.memory_allocated() / 2**30, 2)
+            return out
+
+        def timed(prompts, params, costs=costs):
+            llm = state["llm"]
+            log_steps = StepLog([len(p) for p in prompts])
+            llm.engine.schedule_listeners.append(log_steps)
+            try:
+                t = time.time()
+                res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                s = time.time() - t
+            finally:
+                llm.engine.schedule_listeners.remove(log_steps)
+            n_in, n_out = sum(map(len, prompts)), sum(len(o.outputs[0].token_ids) for o in res)
+            st = llm.last_generate_stats
+            out = {"requests": len(prompts), "input_tokens": n_in, "output_tokens": n_out, "generate_s": round(s, 2),
+                   "steps": st.get("num_steps"), "cudagraph_replays": st.get("cudagraph_replays"),
+                   "preemptions": st.get("num_preemptions")}
+            return out, job_roofline(costs, log_steps.steps, s)
+
+        def protocol_case():
+            llm = state["llm"]
+            prompts, outs = protocol(n=8, max_in=200, max_out=120) if ARGS.quick else protocol()
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+            out, roof = timed(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs])
+            out["requested_output_tokens"] = sum(outs)
+            out["output_tokens_per_s"] = round(out["output_tokens"] / out["generate_s"], 1)
+            out["roofline_output_tokens_per_s"] = round(out["output_tokens"] / roof["step_roofline_s"], 1)
+            return {**out, "roofline": roof}
+
+        def prefill_case():
+            n, lo, hi = (8, 64, 120) if ARGS.quick else (256, 1024, 2040)
+            random.seed(1)
+            prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo, hi))]
+                       for _ in range(n)]
+            out, roof = timed(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+            out["tokens_per_s"] = round((out["input_tokens"] + out["output_tokens"]) / out["generate_s"], 1)
+            out["flop_roofline_tokens_per_s"] = round((out["input_tokens"] + out["output_tokens"])
+                                                      / max(roof["flop_roofline_s"], 1e-12), 1)
+            return {**out, "roofline": roof}
+
+        run(f"startup_{name}", startup)
+        if "llm" in state:
+            run(f"protocol_{name}", protocol_case)
+            run(f"prefill_heavy_{name}", prefill_case)
+            state.pop("llm").close()  # one full-size model on the device at a time
+            gc.collect()
+
+
 if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
      "throughput": section_throughput, "latency": section_latency, "diag": section_diag, "breakdown": section_breakdown,
      "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn, "memory": section_memory,
-     "profile": section_profile, "moe": section_moe, "fp8": section_fp8}[ARGS.section]()
+     "profile": section_profile, "moe": section_moe, "fp8": section_fp8,
+     "moe_bench": section_moe_bench}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))

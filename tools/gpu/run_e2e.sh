@@ -17,7 +17,7 @@ LOG=$OUT/e2e_log.txt
 start_log "$LOG" || exit 1
 cp "$(dirname "$FDLITE_GPU_OPS_LIB")/ptxas_report.txt" "$OUT/" 2>/dev/null || true
 declare -A LIMIT=([parity]=170 [graphs]=150 [hf_bench]=90 [throughput]=230 [latency]=240 [diag]=200 [sampling_checks]=200 [sampling]=330 [churn]=420
-                  [memory]=150)
+                  [memory]=150 [moe_bench]=560)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done
 rc=0
 for s in ${SECTIONS:-parity graphs hf_bench throughput}; do

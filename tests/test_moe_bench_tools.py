@@ -1,0 +1,66 @@
+"""The `moe_bench` section of tools/gpu/e2e_harness.py and its roofline (tools/gpu/moe_roofline.py), on CPU: the
+section runs end to end at toy sizes (`--quick`), and the roofline counts what the real models hold."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("moe_roofline", os.path.join(ROOT, "tools", "gpu", "moe_roofline.py"))
+moe_roofline = importlib.util.module_from_spec(_spec)
+sys.modules["moe_roofline"] = moe_roofline  # its dataclasses look their module up
+_spec.loader.exec_module(moe_roofline)
+
+
+def test_expected_experts_touched():
+    f = moe_roofline.expected_experts_touched
+    assert f(128, 8, 1) == pytest.approx(8) and f(64, 6, 0) == 0 and f(0, 0, 50) == 0
+    assert f(128, 8, 256) == pytest.approx(128, abs=1e-4)  # a batch of 256 touches every expert
+    assert 8 < f(128, 8, 4) < 32
+
+
+def write(tmp_path, name, cfg):
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_qwen3_30b_a3b_counts(tmp_path):
+    cfg = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+               intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+               head_dim=128, vocab_size=151936, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+               moe_intermediate_size=768, norm_topk_prob=True)
+    c = moe_roofline.ModelCosts.from_dir(write(tmp_path, "q", cfg))
+    assert c.num_moe_layers == 48 and c.top_k == 8
+    assert c.total_params / 1e9 == pytest.approx(30.53, abs=0.01)  # Qwen3-30B-A3B's 30.5B
+    one, full = c.step([(1023, 1, True)]), c.step([(1023, 1, True)] * 256)
+    # batch 1: 8 experts per layer; batch 256: all 128 (58 GB of experts) and the KV of 256 x 1024 tokens
+    assert one[0] < 7e9 and full[0] > 80e9
+    # A prefill step is compute-bound only with enough tokens per expert: 8,192 tokens (512 per expert) are;
+    # 2,048 (128 per expert: 128 FLOPs per 2-byte weight, below the H100 ridge of 263 FLOPs per byte) are not.
+    for rows, compute_bound in (([(0, 2048, True)] * 4, True), ([(0, 2048, True)], False)):
+        nbytes, flops = c.step(rows)
+        assert (flops / moe_roofline.BF16_FLOPS_PER_S > nbytes / moe_roofline.HBM_BYTES_PER_S) == compute_bound
+
+
+def test_harness_section_runs_quick_on_cpu(tmp_path):
+    env = {**os.environ, "FDLITE_E2E_DEVICE": "cpu"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu", "e2e_harness.py"), "moe_bench", "--quick",
+                           "--out", str(tmp_path / "out"), "--models", str(tmp_path / "models")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "moe_bench.json").read_text())
+    assert res["errors"] == []
+    for name in ("ernie45_21b_a3b", "qwen3_30b_a3b", "qwen3_4b_dense"):
+        assert os.listdir(tmp_path / "models" / f"{name}-quick-config-only") == ["config.json"]  # no weights
+        proto, prefill = res["results"][f"protocol_{name}"], res["results"][f"prefill_heavy_{name}"]
+        assert proto["output_tokens"] == proto["requested_output_tokens"]
+        assert proto["roofline"]["steps_logged"] == proto["steps"] and proto["roofline"]["step_roofline_s"] > 0
+        assert prefill["roofline"]["flop_roofline_s"] > 0 and prefill["output_tokens"] == 8 * prefill["requests"]
