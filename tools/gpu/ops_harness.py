@@ -1252,20 +1252,29 @@ if not ARGS.no_bench:
     B_ = RES["bench"]
     HBM = 3.0e12
 
-    def bench_attn_decode(batches=(1, 16, 64, 128, 256), splits_list=(0,)):
-        """Decode attention GB/s against the KV bytes read; splits_list: num_splits values (0 = automatic)."""
+    def bench_attn_decode(batches=(1, 16, 64, 128, 256), splits_list=(0,), fp8=False):
+        """Decode attention GB/s against the KV bytes read; splits_list: num_splits values (0 = automatic); fp8: over
+        FP8 caches (e4m3 bytes + a float32 scale per row: head_dim + 4 bytes a vector)."""
         out = []
         h, kvh, d, bs = 16, 8, 128, 64
         for ctx in (512, 2048, 4096):
             for B in batches:
                 nbr = ctx // bs
-                ws = B * ctx * kvh * d * 2 * 2
+                ws = B * ctx * kvh * (d + 4 if fp8 else d * 2) * 2
                 sets = max(1, min(8, math.ceil(256e6 / ws)))  # rotate past the 50 MB L2
                 nb = sets * B * nbr
-                kc = empty([nb + 1, kvh, bs, d], "bfloat16")
-                vc = empty([nb + 1, kvh, bs, d], "bfloat16")
-                G.fill_(kc, 0.01)
-                G.fill_(vc, 0.02)
+                if fp8:  # 0x30 = 0.5 in e4m3, scales 0.02 / 0.04
+                    kc, vc = (types.SimpleNamespace(data=empty([nb + 1, kvh, bs, d], "uint8"),
+                                                    scale=empty([nb + 1, kvh, bs], "float32")) for _ in range(2))
+                    for c_, v_ in ((kc, 0.02), (vc, 0.04)):
+                        G.fill_(c_.data, 0x30)
+                        G.fill_(c_.scale, v_)
+                else:
+                    kc = empty([nb + 1, kvh, bs, d], "bfloat16")
+                    vc = empty([nb + 1, kvh, bs, d], "bfloat16")
+                    G.fill_(kc, 0.01)
+                    G.fill_(vc, 0.02)
+                attend = G.paged_attention_fp8 if fp8 else G.paged_attention
                 perm = rng.permutation(nb).astype(np.int32)
                 width = max(nbr, 4096 // bs)  # the engine's tables are max_model_len wide (the split choice sees it)
                 bts = [to_gpu(np.pad(perm[i * B * nbr:(i + 1) * B * nbr].reshape(B, nbr), ((0, 0), (0, width - nbr))),
@@ -1277,7 +1286,7 @@ if not ARGS.no_bench:
                     i = [0]
 
                     def fn():
-                        G.paged_attention(qg, kc, vc, bts[i[0] % sets], seq, cu, d ** -0.5, 1, splits)
+                        attend(qg, kc, vc, bts[i[0] % sets], seq, cu, d ** -0.5, 1, splits)
                         i[0] += 1
                     us = graph_time_us(fn, per_graph=8 * sets if sets < 4 else sets * 2, replays=5)
                     gbs = ws / (us * 1e-6) / 1e9
@@ -1285,7 +1294,7 @@ if not ARGS.no_bench:
                            "GB_s": round(gbs), "roofline_us": round(ws / HBM * 1e6, 2),
                            "frac_of_3TBs": round(gbs * 1e9 / HBM, 3)}
                     out.append(row)
-                    log(f"  decode attn B={B:4d} ctx={ctx:5d} splits={splits or 'auto'}: {us:9.2f} us  {gbs:7.0f} GB/s  "
+                    log(f"  decode attn{' fp8' if fp8 else ''} B={B:4d} ctx={ctx:5d} splits={splits or 'auto'}: {us:9.2f} us  {gbs:7.0f} GB/s  "
                         f"({row['frac_of_3TBs']:.0%} of 3.0 TB/s)")
                 del kc, vc
         return out
@@ -1438,6 +1447,7 @@ if not ARGS.no_bench:
 
     benches = (("attention_decode", bench_attn_decode), ("attention_prefill", bench_attn_prefill),
                ("attention_decode_splits", lambda: bench_attn_decode((64, 128, 192, 256), (0, 1, 2, 3, 4, 5, 6, 8))),
+               ("attention_decode_fp8", lambda: bench_attn_decode(fp8=True)),
                ("gemm", bench_gemm), ("elementwise", bench_small), ("sampling", bench_sampling),
                ("host_overhead", bench_host),
                ("moe_decode", lambda: ops_harness_moe.bench_decode(sys.modules[__name__])),

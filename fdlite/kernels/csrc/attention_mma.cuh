@@ -91,29 +91,6 @@ struct MmaChunkRows8 {
   }
 };
 
-// FP8: a staged chunk widened to the model dtype, value x scale, into the K / V tiles (layout of MmaTile).
-template <typename T, int D>
-__device__ __forceinline__ void widen_chunk(const uint8_t* stage, T* ks, T* vs) {
-  using C = MmaTile<D, true>;
-  const float* sc = reinterpret_cast<const float*>(stage + 2 * C::BN * D);
-  for (int i = threadIdx.x; i < 2 * C::BN * C::VPR8; i += C::NTH) {
-    const int kv = i / (C::BN * C::VPR8), u = i - kv * (C::BN * C::VPR8);
-    const int key = u / C::VPR8, c = u - key * C::VPR8;
-    const uint4 raw = *reinterpret_cast<const uint4*>(stage + kv * C::BN * D + key * D + c * 16);
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
-    const float f = sc[kv * C::BN + key];
-    Vec<T, 8> lo, hi;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      lo.v[e] = from_f<T>(e4m3_to_f(b[e]) * f);
-      hi.v[e] = from_f<T>(e4m3_to_f(b[8 + e]) * f);
-    }
-    T* dst = (kv ? vs : ks) + key * C::ROW + c * 16;
-    *reinterpret_cast<Vec<T, 8>*>(dst) = lo;
-    *reinterpret_cast<Vec<T, 8>*>(dst + 8) = hi;
-  }
-}
-
 // Cache rows of the keys this thread copies for the chunk starting at k0 (-1: past k_end), computed one
 // chunk ahead of the copy so the block-table loads are in flight while the current chunk is computed.
 template <int D>
@@ -218,7 +195,9 @@ __device__ void mma_segment(const Args& a, T* smem, int r, int64_t ts, int64_t t
     const T* ks = kbuf + (F8 ? 0 : (c & 1) * C::KV_ELEMS);
     const T* vs = vbuf + (F8 ? 0 : (c & 1) * C::KV_ELEMS);
     if constexpr (F8) {
-      widen_chunk<T, D>(stage + (c & 1) * C::STAGE_BYTES, kbuf, vbuf);
+      const uint8_t* st = stage + (c & 1) * C::STAGE_BYTES;  // [K bytes | V bytes | K scales | V scales]
+      widen_e4m3_rows<T, D, BN, C::NTH>(st, st + BN * D, D, reinterpret_cast<const float*>(st + 2 * BN * D), kbuf,
+                                        vbuf, C::ROW);
       __syncthreads();  // the widened tiles are complete
     }
 

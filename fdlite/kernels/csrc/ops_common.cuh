@@ -187,12 +187,6 @@ __device__ __forceinline__ float e4m3_to_f(uint8_t b) {
 }
 __device__ __forceinline__ uint8_t f_to_e4m3(float v) { return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
 
-// A KV-cache element as float: the model's dtype, or e4m3 bits (its scale applied by the caller).
-template <typename C>
-__device__ __forceinline__ float cache_to_f(C v) { return to_f<C>(v); }
-template <>
-__device__ __forceinline__ float cache_to_f<uint8_t>(uint8_t v) { return e4m3_to_f(v); }
-
 // N elements of T moved as one aligned access (16 bytes when N * sizeof(T) == 16).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -203,6 +197,31 @@ template <typename T>
 constexpr int vec16() { return 16 / sizeof(T); }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// FP8 caches: ROWS staged keys of e4m3 K and V bytes (rows of D, `stride8` bytes apart; scales sc[0, ROWS) for K
+// and sc[ROWS, 2 ROWS) for V) widened to T as value x scale into kw / vw (rows `strideT` elements apart), the
+// block's NTH threads sharing the 16-byte pieces. The attention kernels' tiles then hold model-dtype values.
+template <typename T, int D, int ROWS, int NTH>
+__device__ __forceinline__ void widen_e4m3_rows(const uint8_t* k8, const uint8_t* v8, int stride8, const float* sc,
+                                                T* kw, T* vw, int strideT) {
+  constexpr int V8 = D / 16;
+  for (int i = threadIdx.x; i < 2 * ROWS * V8; i += NTH) {
+    const int kv = i / (ROWS * V8), u = i - kv * (ROWS * V8);
+    const int key = u / V8, c = u - key * V8;
+    const uint4 raw = *reinterpret_cast<const uint4*>((kv ? v8 : k8) + key * stride8 + c * 16);
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
+    const float f = sc[kv * ROWS + key];
+    Vec<T, 8> lo, hi;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      lo.v[e] = from_f<T>(e4m3_to_f(b[e]) * f);
+      hi.v[e] = from_f<T>(e4m3_to_f(b[8 + e]) * f);
+    }
+    T* dst = (kv ? vw : kw) + key * strideT + c * 16;
+    *reinterpret_cast<Vec<T, 8>*>(dst) = lo;
+    *reinterpret_cast<Vec<T, 8>*>(dst + 8) = hi;
+  }
+}
 
 // ---------------------------------------------------------------- asynchronous copies to shared memory
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
