@@ -138,14 +138,12 @@ __host__ __device__ inline size_t decode_kv_offset(int g) {
   return ((size_t)g * D * 4 + (size_t)g * KC * 4 + 3 * (size_t)g * 4 + 15) / 16 * 16;
 }
 
-// C: the cache's element type (T, or uint8_t e4m3 bits). FP8: after the staged K / V bytes, their scales
-// [2 buffers][K, V][KC] and one chunk of K / V widened to T (value x scale, converted once per element rather than
-// once per query head that reads it).
-template <typename T, typename C, int D>
+// C: the cache's element type (T, or uint8_t e4m3 bits with per-row scales: 4 * KC floats after K / V).
+template <typename C, int D>
 size_t decode_smem(int g) {
+  using L = Layout<C, D>;
   constexpr bool f8 = std::is_same<C, uint8_t>::value;
-  const size_t staged = decode_kv_offset<D>(g) + 2 * (size_t)Layout<C, D>::KV_ELEMS * sizeof(C);
-  return f8 ? staged + 4 * KC * sizeof(float) + 2 * (size_t)KC * Layout<T, D>::ROW * sizeof(T) : staged;
+  return decode_kv_offset<D>(g) + 2 * (size_t)L::KV_ELEMS * sizeof(C) + (f8 ? 4 * KC * sizeof(float) : 0);
 }
 
 // 6 blocks per SM (80 registers) at head_dim <= 128: what shared memory allows for bf16 / fp16 there, and what the
@@ -154,8 +152,7 @@ template <typename T, typename C, int D>
 __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args a) {
   pdl_trigger();
   pdl_wait();
-  using LC = Layout<C, D>;  // staged chunks (the cache's type)
-  using L = Layout<T, D>;   // the tiles the dot products read (C == T, or FP8 widened)
+  using L = Layout<C, D>;
   constexpr bool F8 = std::is_same<C, uint8_t>::value;
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
   const int64_t t = blockIdx.x;
@@ -181,10 +178,8 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
   float* l_s = m_s + g;
   float* al_s = l_s + g;
   C* kbuf = reinterpret_cast<C*>(reinterpret_cast<char*>(smem4) + decode_kv_offset<D>(g));
-  C* vbuf = kbuf + LC::KV_ELEMS;
-  float* sc_s = reinterpret_cast<float*>(vbuf + LC::KV_ELEMS);  // F8: [2 buffers][K, V][KC] scales
-  T* kw = reinterpret_cast<T*>(sc_s + 4 * KC);                   // F8: the widened chunk
-  T* vw = kw + KC * L::ROW;
+  C* vbuf = kbuf + L::KV_ELEMS;
+  float* sc_s = reinterpret_cast<float*>(vbuf + L::KV_ELEMS);  // F8: [2 buffers][K, V][KC] scales
 
   const T* q = static_cast<const T*>(a.q) + (t * a.h + (int64_t)j * g) * D;
   for (int i = threadIdx.x; i < g * D; i += NT) qs[i] = to_f<T>(q[i]) * a.scale_log2;
@@ -219,34 +214,26 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
     const int kb = k0 + c * KC;
     if (c + 1 < nchunks) {
       if constexpr (F8) rows.issue_scales(sc_s + ((c + 1) & 1) * 2 * KC, sc_s + ((c + 1) & 1) * 2 * KC + KC, a.ksc, a.vsc);
-      rows.issue(kbuf + ((c + 1) & 1) * KC * LC::ROW, vbuf + ((c + 1) & 1) * KC * LC::ROW, kc, vc);
+      rows.issue(kbuf + ((c + 1) & 1) * KC * L::ROW, vbuf + ((c + 1) & 1) * KC * L::ROW, kc, vc);
       if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * KC, k1);
     }
-    const T* ks;
-    const T* vs;
-    if constexpr (F8) {  // every thread is past chunk c - 1's reads of kw / vw (the barrier above)
-      widen_e4m3_rows<T, D, KC, NT>(reinterpret_cast<const uint8_t*>(kbuf) + (c & 1) * KC * LC::ROW,
-                                    reinterpret_cast<const uint8_t*>(vbuf) + (c & 1) * KC * LC::ROW, LC::ROW,
-                                    sc_s + (c & 1) * 2 * KC, kw, vw, L::ROW);
-      __syncthreads();
-      ks = kw;
-      vs = vw;
-    } else {
-      ks = reinterpret_cast<const T*>(kbuf) + (c & 1) * KC * L::ROW;
-      vs = reinterpret_cast<const T*>(vbuf) + (c & 1) * KC * L::ROW;
-    }
+    const C* ks = kbuf + (c & 1) * KC * L::ROW;
+    const C* vs = vbuf + (c & 1) * KC * L::ROW;
+    const float* kscale = sc_s + (c & 1) * 2 * KC;  // F8 only
+    const float* vscale = kscale + KC;
     // scores S[head][key] (log2 units)
     for (int pr = threadIdx.x / tpp; pr < P; pr += NT / tpp) {
       const int hh = pr / KC, key = pr - hh * KC;
       const float* qv = qs + hh * D;
-      const T* kr = ks + key * L::ROW;
+      const C* kr = ks + key * L::ROW;
       float dot = 0.f;
       for (int v = sub; v < L::VPR; v += tpp) {
-        const Vec<T, L::VE> kv = *reinterpret_cast<const Vec<T, L::VE>*>(kr + v * L::VE);
+        const Vec<C, L::VE> kv = *reinterpret_cast<const Vec<C, L::VE>*>(kr + v * L::VE);
 #pragma unroll
-        for (int e = 0; e < L::VE; ++e) dot += qv[v * L::VE + e] * to_f<T>(kv.v[e]);
+        for (int e = 0; e < L::VE; ++e) dot += qv[v * L::VE + e] * cache_to_f<C>(kv.v[e]);
       }
       for (int o = 1; o < tpp; o <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if constexpr (F8) dot *= kscale[key];  // a key's scale multiplies its whole score
       if (sub == 0) S[pr] = kb + key < k1 ? dot : -CUDART_INF_F;
     }
     __syncthreads();
@@ -257,7 +244,8 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
       const float m_new = fmaxf(m_old, warp_max(sv));
       const float p = m_new == -CUDART_INF_F ? 0.f : exp2f(sv - m_new);
       const float sum = warp_sum(p);
-      S[hh * KC + lane] = p;
+      if constexpr (F8) S[hh * KC + lane] = p * vscale[lane];  // V's scale folded into its probability
+      else S[hh * KC + lane] = p;
       if (lane == 0) {
         const float al = m_new == -CUDART_INF_F ? 1.f : exp2f(m_old - m_new);
         al_s[hh] = al;
@@ -277,10 +265,10 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
         const float* pr = S + hh * KC;
 #pragma unroll 8
         for (int k = 0; k < KC; ++k) {
-          const T* vv = vs + k * L::ROW + dp * 2;
+          const C* vv = vs + k * L::ROW + dp * 2;
           const float p = pr[k];
-          a0 += p * to_f<T>(vv[0]);
-          a1 += p * to_f<T>(vv[1]);
+          a0 += p * cache_to_f<C>(vv[0]);
+          a1 += p * cache_to_f<C>(vv[1]);
         }
         acc[n][0] = a0;
         acc[n][1] = a1;
@@ -599,9 +587,9 @@ int decode_blocks_per_sm(int g) {
   static int cache[MAXG + 1] = {};
   int& v = cache[g];
   if (v == 0) {
-    set_smem(attn_decode_kernel<T, C, D>, decode_smem<T, C, D>(MAXG));
+    set_smem(attn_decode_kernel<T, C, D>, decode_smem<C, D>(MAXG));
     int n = 0;
-    FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, C, D>, NT, decode_smem<T, C, D>(g)),
+    FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, C, D>, NT, decode_smem<C, D>(g)),
                    "fdl_paged_attention: occupancy query");
     v = std::max(1, n);
   }
@@ -634,7 +622,7 @@ int choose_splits(int64_t work, int64_t by_ctx, int64_t slots) {
 template <typename T, typename C, int D>
 void launch_attention(Args a, bool tiles, cudaStream_t s) {
   if (a.T == 0) return;
-  const size_t dsm = decode_smem<T, C, D>(a.g);
+  const size_t dsm = decode_smem<C, D>(a.g);
   // bf16 / fp16 at head_dim 64 / 128 take the tensor-core tile kernel (attention_mma.cuh) unless FDLITE_ATTN_MMA=0
   constexpr bool f8 = std::is_same<C, uint8_t>::value;
   constexpr bool mma = !std::is_same<T, float>::value && (D == 64 || D == 128);
@@ -642,7 +630,7 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
   constexpr int mma_d = D == 64 ? 64 : 128;
   static bool init = false;
   if (!init) {  // host-side attributes, set once per instantiation (also fine during a capture)
-    set_smem(attn_decode_kernel<T, C, D>, decode_smem<T, C, D>(MAXG));
+    set_smem(attn_decode_kernel<T, C, D>, decode_smem<C, D>(MAXG));
     if constexpr (!f8) set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
     if constexpr (mma) set_smem(attn_mma_kernel<T, mma_d, f8>, MmaTile<mma_d, f8>::bytes);
     init = true;

@@ -187,6 +187,12 @@ __device__ __forceinline__ float e4m3_to_f(uint8_t b) {
 }
 __device__ __forceinline__ uint8_t f_to_e4m3(float v) { return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
 
+// A KV-cache element as float: the model's dtype, or e4m3 bits (its scale applied by the caller).
+template <typename C>
+__device__ __forceinline__ float cache_to_f(C v) { return to_f<C>(v); }
+template <>
+__device__ __forceinline__ float cache_to_f<uint8_t>(uint8_t v) { return e4m3_to_f(v); }
+
 // N elements of T moved as one aligned access (16 bytes when N * sizeof(T) == 16).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
