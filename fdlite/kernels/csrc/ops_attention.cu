@@ -684,13 +684,7 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   const int g = h / kvh;
   PD_CHECK(g <= MAXG, op, ": at most 16 query heads per KV head");
   if (f8) {
-    check_gpu(*k_scale, op, "k_scale");
-    check_gpu(*v_scale, op, "v_scale");
-    PD_CHECK(k_cache.dtype() == paddle::DataType::UINT8 && v_cache.dtype() == paddle::DataType::UINT8, op,
-             ": FP8 caches must be uint8 (e4m3 bits)");
-    PD_CHECK(k_scale->dtype() == paddle::DataType::FLOAT32 && v_scale->dtype() == paddle::DataType::FLOAT32 &&
-                 k_scale->numel() * d == k_cache.numel() && v_scale->numel() * d == v_cache.numel(),
-             op, ": scales must be float32 [blocks, kv_heads, block_size]");
+    check_fp8_caches(op, k_cache, v_cache, *k_scale, *v_scale, d);
     PD_CHECK(q.dtype() != paddle::DataType::FLOAT32 && (d == 64 || d == 128), op,
              ": FP8 caches take bf16 / fp16 models at head_dim 64 or 128");
   } else {

@@ -48,6 +48,18 @@ inline void check_gpu(const paddle::Tensor& t, const char* op, const char* name)
   PD_CHECK(t.is_gpu(), op, ": ", name, " must be a GPU tensor");
 }
 
+// FP8 caches (kv_cache_dtype="fp8"): uint8 e4m3 bits, and a float32 scale per cache row of head_dim d values.
+inline void check_fp8_caches(const char* op, const paddle::Tensor& kc, const paddle::Tensor& vc,
+                             const paddle::Tensor& ks, const paddle::Tensor& vs, int64_t d) {
+  check_gpu(ks, op, "k_scale");
+  check_gpu(vs, op, "v_scale");
+  PD_CHECK(kc.dtype() == paddle::DataType::UINT8 && vc.dtype() == paddle::DataType::UINT8, op,
+           ": FP8 caches must be uint8 (e4m3 bits)");
+  PD_CHECK(ks.dtype() == paddle::DataType::FLOAT32 && vs.dtype() == paddle::DataType::FLOAT32 &&
+               ks.numel() * d == kc.numel() && vs.numel() * d == vc.numel(),
+           op, ": scales must be float32 [blocks, kv_heads, block_size]");
+}
+
 inline bool is_float_dtype(paddle::DataType d) {
   return d == paddle::DataType::FLOAT32 || d == paddle::DataType::FLOAT16 ||
          d == paddle::DataType::BFLOAT16;

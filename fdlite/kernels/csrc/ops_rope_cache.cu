@@ -170,13 +170,7 @@ std::vector<paddle::Tensor> rope_impl(const char* op, const paddle::Tensor& qkv,
   PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64, op,
            ": positions and slot_mapping must be int64");
   if (f8) {
-    check_gpu(*k_scale, op, "k_scale");
-    check_gpu(*v_scale, op, "v_scale");
-    PD_CHECK(k_cache.dtype() == paddle::DataType::UINT8 && v_cache.dtype() == paddle::DataType::UINT8, op,
-             ": FP8 caches must be uint8 (e4m3 bits)");
-    PD_CHECK(k_scale->dtype() == paddle::DataType::FLOAT32 && v_scale->dtype() == paddle::DataType::FLOAT32 &&
-                 k_scale->numel() * d == k_cache.numel() && v_scale->numel() * d == v_cache.numel(),
-             op, ": scales must be float32 [blocks, kv_heads, block_size]");
+    check_fp8_caches(op, k_cache, v_cache, *k_scale, *v_scale, d);
   } else {
     PD_CHECK(k_cache.dtype() == qkv.dtype() && v_cache.dtype() == qkv.dtype(), op, ": caches must have qkv's dtype");
   }
