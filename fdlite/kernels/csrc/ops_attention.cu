@@ -29,6 +29,9 @@
 //    rows against 32-key chunks).
 // Both stream K/V chunks through shared memory with cp.async double buffering and keep the online
 // softmax in float32 (scores in log2 units, exp2).
+// FP8 caches (fdl_paged_attention_fp8: uint8 e4m3 bits, a float32 scale per cache row): the per-token kernel
+// multiplies each key's score by its K scale and each probability by its V scale; the tile kernel stages e4m3
+// chunks and widens value x scale into its model-dtype tiles (attention_mma.cuh).
 #include <math_constants.h>
 
 #include <mutex>
