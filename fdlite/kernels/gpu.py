@@ -313,8 +313,9 @@ def rope_qk_norm_cache(qkv, positions, slot_mapping, cos, sin, k_cache, v_cache,
     (negative slots write nothing)."""
     _check(k_cache, "k_cache", (_dtype(qkv),), ndim=4)
     _check(v_cache, "v_cache", (_dtype(qkv),), ndim=4)
-    return _rope("fdl_rope_qk_norm_cache", qkv, positions, slot_mapping, cos, sin, (k_cache, v_cache), num_heads,
-                 q_norm_weight, k_norm_weight, eps)
+    qw, kw, norm = _rope_inputs(qkv, positions, slot_mapping, cos, sin, q_norm_weight, k_norm_weight)
+    return _run("fdl_rope_qk_norm_cache", qkv, positions, slot_mapping, cos, sin, qw, kw, k_cache, v_cache,
+                int(num_heads), norm, float(eps))[0]
 
 
 def _check_fp8(op: str, x, k_data, v_data, k_scale, v_scale) -> None:
@@ -339,14 +340,14 @@ def rope_qk_norm_cache_fp8(qkv, positions, slot_mapping, cos, sin, k_cache, v_ca
     """`rope_qk_norm_cache` into FP8 caches (`Fp8Cache`s): k / v rounded to the model dtype, then e4m3 bits of
     value / scale with scale = amax / 448 per (token, KV head) written beside them."""
     _check_fp8("rope_qk_norm_cache_fp8", qkv, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale)
-    return _rope("fdl_rope_qk_norm_cache_fp8", qkv, positions, slot_mapping, cos, sin,
-                 (k_cache.data, v_cache.data, k_cache.scale, v_cache.scale), num_heads, q_norm_weight, k_norm_weight,
-                 eps)
+    qw, kw, norm = _rope_inputs(qkv, positions, slot_mapping, cos, sin, q_norm_weight, k_norm_weight)
+    return _run("fdl_rope_qk_norm_cache_fp8", qkv, positions, slot_mapping, cos, sin, qw, kw, k_cache.data,
+                v_cache.data, k_cache.scale, v_cache.scale, int(num_heads), norm, float(eps))[0]
 
 
-def _rope(op: str, qkv, positions, slot_mapping, cos, sin, caches: tuple, num_heads: int, q_norm_weight,
-          k_norm_weight, eps: float):
-    """The rotary + cache-write op `op` with its cache tensors `caches` (checked by the caller)."""
+def _rope_inputs(qkv, positions, slot_mapping, cos, sin, q_norm_weight, k_norm_weight):
+    """The rotary ops' checks of everything but the caches; (q norm weight, k norm weight, qk_norm) as the op takes
+    them (any GPU tensor for the weights without a norm)."""
     _check(qkv, "qkv", FLOAT_DTYPES, ndim=2)
     _check(positions, "positions", ("int64",))
     _check(slot_mapping, "slot_mapping", ("int64",))
@@ -356,9 +357,7 @@ def _rope(op: str, qkv, positions, slot_mapping, cos, sin, caches: tuple, num_he
     if norm:
         _check(q_norm_weight, "q_norm_weight", (_dtype(qkv),))
         _check(k_norm_weight, "k_norm_weight", (_dtype(qkv),))
-    qw = q_norm_weight if norm else cos
-    kw = k_norm_weight if norm else cos
-    return _run(op, qkv, positions, slot_mapping, cos, sin, qw, kw, *caches, int(num_heads), norm, float(eps))[0]
+    return (q_norm_weight if norm else cos), (k_norm_weight if norm else cos), norm
 
 
 # ------------------------------------------------------------------ (e) paged attention
