@@ -834,7 +834,8 @@ def section_throughput():
 def section_latency():
     """Decode latency through `LLM.generate` (the engine loop's host work included, issue 24): Qwen3-0.6B, 512-token
     prompts, 256 greedy output tokens (ignore_eos), CUDA graphs on, batch 1 / 16 / 64, with and without
-    `async_scheduling`. ms per output token = (wall of 256 tokens - wall of 1 token) / 255: the prefill step and
+    `async_scheduling`; at batch 1 one more run with the worker's prepare / execute and the engine's postprocess
+    stamped (medians, and the step thread's idle time between executes: where the GPU may wait for the host). ms per output token = (wall of 256 tokens - wall of 1 token) / 255: the prefill step and
     the first token are left out. `--quick` on CPU (FDLITE_E2E_DEVICE=cpu): the small qwen3, 32-token prompts,
     16 tokens, batch 1 and 4 (a dry run of the logic)."""
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
@@ -846,6 +847,42 @@ def section_latency():
     rows = max(batches)
     bs = 16
     blocks = rows * (-(-(prompt_len + out_len) // bs) + 1) + 64
+
+    def timeline(llm):
+        """Wrap the worker's prepare / execute and the engine's postprocess with wall-clock stamps (which thread
+        runs each is async scheduling's business); returns (stamps, undo)."""
+        stamps = []
+        eng, worker = llm.engine, llm.engine.worker
+        saved = [(worker, "prepare", worker.prepare), (worker, "execute", worker.execute),
+                 (eng, "_postprocess", eng._postprocess)]
+
+        def wrap(name, fn):
+            def w(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    stamps.append((name, t, time.perf_counter()))
+            return w
+        for obj, name, fn in saved:
+            setattr(obj, name, wrap(name, fn))
+
+        def undo():
+            for obj, name, fn in saved:
+                setattr(obj, name, fn)
+        return stamps, undo
+
+    def summarize(stamps):
+        """Medians (ms) of each phase, of the step period (execute start to execute start) and of the step thread's
+        idle time between one execute's end and the next one's start."""
+        by = {}
+        for name, t0, t1 in stamps:
+            by.setdefault(name, []).append((t0, t1))
+        ex = sorted(by.get("execute", []))
+        med = lambda xs: round(float(np.median(xs)) * 1e3, 3) if xs else None  # noqa: E731
+        return {**{f"{n}_ms": med([b - a for a, b in v]) for n, v in by.items()},
+                "period_ms": med([b[0] - a[0] for a, b in zip(ex, ex[1:])]),
+                "step_thread_idle_ms": med([b[0] - a[1] for a, b in zip(ex, ex[1:])]), "steps": len(ex)}
 
     def case(async_scheduling: bool):
         def f():
@@ -866,12 +903,22 @@ def section_latency():
                         outs = llm.generate(prompts, params, use_tqdm=False)
                         walls[n] = time.perf_counter() - t
                         assert all(len(o.outputs[0].token_ids) == n for o in outs)
+                    if b == 1:  # once more, stamped: where a batch-1 step's wall time goes (not in the ms above)
+                        stamps, undo = timeline(llm)
+                        try:
+                            llm.generate(prompts, SamplingParams(temperature=0, ignore_eos=True, max_tokens=out_len),
+                                         use_tqdm=False)
+                        finally:
+                            undo()
+                        timeline_b1 = summarize(stamps)
                     st = llm.last_generate_stats
                     ms = (walls[out_len] - walls[1]) / (out_len - 1) * 1e3
                     res[f"batch_{b}"] = {"ms_per_output_token": round(ms, 3), "wall_s": round(walls[out_len], 3),
                                          "prefill_wall_s": round(walls[1], 3), "steps": st.get("num_steps"),
                                          "cudagraph_replays": st.get("cudagraph_replays"),
                                          "early_prepared_steps": llm.engine.num_early_prepares}
+                    if b == 1:
+                        res["batch_1"]["timeline"] = timeline_b1
                     log("   ", "async" if async_scheduling else "sync", b, res[f"batch_{b}"])
             finally:
                 llm.close()
