@@ -230,10 +230,7 @@ def upload(values, dtype):
 
     a = np.ascontiguousarray(values, dtype=dtype)
     t = paddle.empty(list(a.shape), dtype=a.dtype.name)
-    if a.nbytes:
-        rc = capi().fdl_memcpy_h2d_async(t.data_ptr(), a.ctypes.data, a.nbytes, current_stream_handle())
-        if rc:
-            raise GpuOpsError(f"cudaMemcpyAsync host to device failed: error {rc}")
+    copy_from_host(t, a)
     return t
 
 
@@ -599,4 +596,5 @@ __all__ = ["load", "capi", "GpuOpsError", "set_checks", "fill_", "cast_", "cast"
            "current_stream_handle", "gather_rows", "embedding", "rms_norm",
            "fused_add_rms_norm_", "silu_and_mul", "linear", "rope_qk_norm_cache", "paged_attention",
            "lm_head_logits", "argmax", "sample", "uniform", "apply_penalties_", "scatter_", "apply_bitmask_", "logprobs",
-           "moe_route", "moe_align", "moe_experts", "to_host"]
+           "moe_route", "moe_align", "moe_experts", "to_host", "add_", "upload", "rope_qk_norm_cache_fp8",
+           "paged_attention_fp8"]

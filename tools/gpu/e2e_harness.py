@@ -572,6 +572,24 @@ def protocol(n=256, max_in=1024, max_out=1024, seed=0):
     return prompts, outs
 
 
+def run_protocol(llm) -> dict:
+    """nano-vllm's protocol on `llm` after a short warm-up: temperature 0.6, ignore_eos, output tokens/s."""
+    from fdlite import SamplingParams  # noqa: PLC0415
+
+    prompts, outs = protocol()
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs]
+    t = time.time()
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    s = time.time() - t
+    produced = sum(len(o.outputs[0].token_ids) for o in res)
+    st = llm.last_generate_stats
+    return {"requests": len(prompts), "output_tokens": produced, "requested_output_tokens": sum(outs),
+            "input_tokens": sum(map(len, prompts)), "seconds": round(s, 2),
+            "output_tokens_per_s": round(produced / s, 1), "steps": st.get("num_steps"),
+            "cudagraph_replays": st.get("cudagraph_replays"), "preemptions": st.get("num_preemptions")}
+
+
 def section_hf_bench():
     def case():
         import torch  # noqa: PLC0415
@@ -750,19 +768,7 @@ def section_throughput():
                 "memory_reserved_GiB": round(paddle.device.cuda.memory_reserved() / 2**30, 2)}
 
     def bench():
-        llm = state["llm"]
-        prompts, outs = protocol()
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs]
-        t = time.time()
-        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        s = time.time() - t
-        produced = sum(len(o.outputs[0].token_ids) for o in res)
-        st = llm.last_generate_stats
-        return {"requests": len(prompts), "output_tokens": produced, "requested_output_tokens": sum(outs),
-                "input_tokens": sum(map(len, prompts)), "seconds": round(s, 2),
-                "output_tokens_per_s": round(produced / s, 1), "steps": st.get("num_steps"),
-                "cudagraph_replays": st.get("cudagraph_replays"), "preemptions": st.get("num_preemptions")}
+        return run_protocol(state["llm"])
 
     def step_times():
         llm = state["llm"]
@@ -1079,22 +1085,12 @@ def section_fp8():
                 "pass": got == want and st["cudagraph_replays"] >= 0.9 * st["num_steps"]}
     run("graphs_equal_eager", graphs)
 
-    prompts, outs = protocol()
     for kv in ("auto", "fp8"):
         def bench(kv=kv):
             llm = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
                       max_num_batched_tokens=8192, kv_cache_dtype=kv)
             try:
-                llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
-                params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs]
-                t = time.time()
-                res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-                sec = time.time() - t
-                produced = sum(len(o.outputs[0].token_ids) for o in res)
-                st = llm.last_generate_stats
-                return {"kv_blocks": llm.num_blocks, "output_tokens": produced, "seconds": round(sec, 2),
-                        "output_tokens_per_s": round(produced / sec, 1), "steps": st["num_steps"],
-                        "cudagraph_replays": st["cudagraph_replays"], "preemptions": st["num_preemptions"]}
+                return {"kv_blocks": llm.num_blocks, **run_protocol(llm)}
             finally:
                 llm.close()
         run(f"protocol_kv_{kv}", bench)

@@ -65,10 +65,10 @@ struct MmaChunkRows8 {
 #pragma unroll
     for (int n = 0; n < C::CPT8; ++n) {
       const int kk = k0 + (int)(threadIdx.x + n * C::NTH) / C::VPR8;
-      row[n] = kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+      row[n] = kk < k_end ? cache_row(btab, kvh, j, bs, kk) : -1;
     }
     const int kk = k0 + (int)threadIdx.x;
-    srow = threadIdx.x < C::BN && kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+    srow = threadIdx.x < C::BN && kk < k_end ? cache_row(btab, kvh, j, bs, kk) : -1;
   }
 
   __device__ __forceinline__ void issue(uint8_t* stage, const uint8_t* kc, const uint8_t* vc, const float* ksc,
@@ -102,7 +102,7 @@ struct MmaChunkRows {
 #pragma unroll
     for (int n = 0; n < C::CPT; ++n) {
       const int kk = k0 + (int)(threadIdx.x + n * C::NTH) / C::VPR;
-      row[n] = kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+      row[n] = kk < k_end ? cache_row(btab, kvh, j, bs, kk) : -1;
     }
   }
 

@@ -100,11 +100,11 @@ struct ChunkRows {
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       const int kk = k0 + (int)(threadIdx.x + n * NT) / Layout<T, D>::VPR;
-      row[n] = kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+      row[n] = kk < k_end ? cache_row(btab, kvh, j, bs, kk) : -1;
     }
     if constexpr (std::is_same<T, uint8_t>::value) {
       const int kk = k0 + (int)threadIdx.x;
-      srow = threadIdx.x < KC && kk < k_end ? (btab[kk / bs] * kvh + j) * bs + kk % bs : -1;
+      srow = threadIdx.x < KC && kk < k_end ? cache_row(btab, kvh, j, bs, kk) : -1;
     }
   }
 

@@ -218,7 +218,8 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 // FP8 caches: ROWS staged keys of e4m3 K and V bytes (rows of D, `stride8` bytes apart; scales sc[0, ROWS) for K
 // and sc[ROWS, 2 ROWS) for V) widened to T as value x scale into kw / vw (rows `strideT` elements apart), the
-// block's NTH threads sharing the 16-byte pieces. The attention kernels' tiles then hold model-dtype values.
+// block's NTH threads sharing the 16-byte pieces: the tensor-core attention kernel's tiles then hold model-dtype
+// values (attention_mma.cuh).
 template <typename T, int D, int ROWS, int NTH>
 __device__ __forceinline__ void widen_e4m3_rows(const uint8_t* k8, const uint8_t* v8, int stride8, const float* sc,
                                                 T* kw, T* vw, int strideT) {
@@ -239,6 +240,12 @@ __device__ __forceinline__ void widen_e4m3_rows(const uint8_t* k8, const uint8_t
     *reinterpret_cast<Vec<T, 8>*>(dst) = lo;
     *reinterpret_cast<Vec<T, 8>*>(dst + 8) = hi;
   }
+}
+
+// Row of key position kk of a paged sequence (block table btab) for KV head j, in a cache viewed as rows of
+// head_dim: [num_blocks + 1, kv_heads, block_size, head_dim] (FastDeploy's layout).
+__device__ __forceinline__ int cache_row(const int* btab, int kvh, int j, int bs, int kk) {
+  return (btab[kk / bs] * kvh + j) * bs + kk % bs;
 }
 
 // ---------------------------------------------------------------- asynchronous copies to shared memory
