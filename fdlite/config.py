@@ -190,7 +190,10 @@ class EngineConfig:
     )
     use_cudagraph: bool | None = _opt(
         None, "Shorthand for graph_optimization_config's use_cudagraph (FastDeploy's --use-cudagraph); None leaves it.")
-    enable_custom_all_reduce: bool = _opt(False, "Use fdlite's CUDA-graph-safe custom all-reduce across GPUs (NCCL, with one log line, where it is not built).")
+    enable_custom_all_reduce: bool | None = _opt(
+        None, "Use fdlite's CUDA-graph-safe custom all-reduce (and its all-gather) across GPUs; NCCL, with one log "
+        "line, where it cannot run. None: on for GPU ranks of a tensor-parallel group (FastDeploy's default since 2.3), "
+        "off on CPU (gloo) and for one process.")
     max_logprobs: int = _opt(
         20, "Most logprobs or prompt_logprobs a request may ask for (vLLM's name and default; at most 20, the GPU "
         "kernel's limit).")
@@ -218,6 +221,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
+        if self.enable_custom_all_reduce is not None and not isinstance(self.enable_custom_all_reduce, bool):
+            raise ValueError(f"enable_custom_all_reduce must be a bool or None, got {self.enable_custom_all_reduce!r}")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be an int in [0, 20], got {self.max_logprobs!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
@@ -291,7 +296,8 @@ class EngineConfig:
 
     def resolve_device(self, device: str) -> None:
         """Fill in the options whose default depends on the device the model runs on ("cpu" or "gpu"): an unset
-        `async_scheduling` is on for a GPU. In place, once the runner has picked its device."""
+        `async_scheduling` is on for a GPU. In place, once the runner has picked its device. (An unset
+        `enable_custom_all_reduce` is resolved by the communicator, which knows the group's size.)"""
         if self.async_scheduling is None:
             self.async_scheduling = device == "gpu"
 

@@ -243,3 +243,69 @@ def test_wrappers_refuse_cpu_tensors_and_checks_can_be_turned_off():
     finally:
         G.set_checks(True)
     assert "path" not in G._state  # no library was built or loaded on the way
+
+
+# --- host -> device copies through pinned slots ------------------------------------------------
+
+class _FakeCapi:
+    """The C entry points PinnedUploads calls, on host memory: 'device' copies are plain memmoves at call time."""
+
+    def __init__(self):
+        import ctypes
+
+        self.ctypes, self.log, self.buffers = ctypes, [], []
+
+    def fdl_event_create(self):
+        self.log.append("event")
+        return len(self.log)
+
+    def fdl_event_synchronize(self, e):
+        self.log.append(("wait", e))
+        return 0
+
+    def fdl_host_alloc(self, n):
+        buf = self.ctypes.create_string_buffer(n)
+        self.buffers.append(buf)
+        self.log.append(("alloc", n))
+        return self.ctypes.addressof(buf)
+
+    def fdl_host_free(self, p):
+        self.log.append("free")
+        return 0
+
+    def fdl_memcpy_h2d_many_pinned(self, n, table, stream, pinned, size, done):
+        assert sum((table[2 * n + i] + 15) // 16 * 16 for i in range(n)) <= size  # the pieces fit the slot
+        for i in range(n):
+            self.ctypes.memmove(table[i], table[n + i], table[2 * n + i])
+        self.log.append(("pinned", n, done))
+        return 0
+
+    def fdl_memcpy_h2d_many(self, n, table, stream):
+        for i in range(n):
+            self.ctypes.memmove(table[i], table[n + i], table[2 * n + i])
+        self.log.append(("direct", n))
+        return 0
+
+
+def test_small_uploads_go_through_pinned_slots_reused_after_their_event(monkeypatch):
+    """Small host -> device copies are staged in a ring of pinned slots (a pageable source may make the copy wait
+    for the stream to drain); a slot is reused only after waiting for the event of the copies that read it, and
+    grows when a step's inputs outgrow it. Large ones (weights) go straight."""
+    from fdlite.kernels import gpu
+
+    fake = _FakeCapi()
+    monkeypatch.setattr(gpu, "capi", lambda: fake)
+    monkeypatch.setattr(gpu, "current_stream_handle", lambda: 0)
+    monkeypatch.setattr(gpu, "_uploads", gpu.PinnedUploads(depth=2))
+    src = [np.arange(n, dtype=np.int64) for n in (3, 5, 7000)]
+    dst = [np.zeros_like(a) for a in src]
+    for a, d in zip(src, dst):  # 3 calls over 2 slots: the third reuses the first after its event, grown
+        gpu.copy_from_host_many([d.ctypes.data], [a.ctypes.data], [a.nbytes])
+    assert all(np.array_equal(a, d) for a, d in zip(src, dst))
+    assert fake.log == ["event", ("alloc", 1 << 14), ("pinned", 1, 1),
+                        "event", ("alloc", 1 << 14), ("pinned", 1, 4),
+                        ("wait", 1), "free", ("alloc", 56016), ("pinned", 1, 1)]
+    big = np.ones(gpu.PinnedUploads.MAX_BYTES // 8 + 1, dtype=np.int64)
+    out = np.zeros_like(big)
+    gpu.copy_from_host_many([out.ctypes.data], [big.ctypes.data], [big.nbytes])
+    assert fake.log[-1] == ("direct", 1) and out.sum() == big.size

@@ -5,17 +5,27 @@ Layers call `tensor_parallel_all_reduce(x)`, a module function rather than a met
 layer holds: SOT must see one fixed function to keep out of its graphs (it is an opaque graph break,
 like attention: `graph/graph_break.py`), and there is one tensor-parallel group per process anyway.
 
-`enable_custom_all_reduce` (FastDeploy's option) uses `custom_all_reduce.CustomAllReduce` (fdlite's
-CUDA all-reduce, fdlite/kernels/csrc) for messages it accepts (`should_use`), NCCL for the rest. When that module or its
-CUDA library is missing, or the device is a CPU, one log line says so and everything goes through
-`paddle.distributed`. All ranks agree on the choice (an all-reduce of each rank's answer) before any
-layer runs: a rank on the custom path and one on NCCL would wait on each other forever.
+`enable_custom_all_reduce` (FastDeploy's option, on by default on a GPU) uses
+`custom_all_reduce.CustomAllReduce` (fdlite's CUDA all-reduce, fdlite/kernels/csrc) for messages it accepts
+(`should_use`), NCCL for the rest. When that module or its CUDA library is missing, or the device is a
+CPU, one log line says so and everything goes through `paddle.distributed`. All ranks agree on the
+choice (an all-reduce of each rank's answer) before any layer runs: a rank on the custom path and one
+on NCCL would wait on each other forever.
+
+On a GPU the step's other two collectives go through the same library's staging buffers too (`fdar_gather`):
+the logits' vocabulary all-gather, written straight into [tokens, vocab] (Paddle's concat and column
+slice are built-in kernels with no sm_90 code), and rank 0's sampled ids, broadcast on the device. Ranks
+that share one GPU (gloo group, `parallel_state.py`) have no NCCL at all: the custom library is then
+required, and messages above its staging size go through it in pieces. The host's own collectives
+(`reduce_int`, `all_gather_bytes`, ...) run on CPU tensors there, as gloo needs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import pickle
 
 import paddle
 
@@ -27,10 +37,25 @@ logger = logging.getLogger("fdlite")
 
 
 class Communicator:
-    def __init__(self, state: ParallelState, device: str, enable_custom_all_reduce: bool = False):
+    """The tensor-parallel group's collectives; owns this engine's custom all-reduce (if any)."""
+
+    def __init__(self, state: ParallelState, device: str, enable_custom_all_reduce: bool | None = None):
         self.state = state
         self.device = device
-        self.custom = self._start_custom_all_reduce() if enable_custom_all_reduce else None
+        # No NCCL: GPU ranks in a gloo group (they may share a GPU). Every device collective is then custom.
+        self.custom_only = device == "gpu" and state.world_size > 1 and state.backend == "gloo"
+        self.ranks_on_device = self._ranks_on_this_device()
+        if self.custom_only and enable_custom_all_reduce is False:
+            raise ValueError("tensor-parallel ranks in a gloo group (device='gpu:N' in every process) have no NCCL: "
+                             "they need enable_custom_all_reduce=True")
+        # None (the default): on where there is something to reduce on a GPU, and silent where there is not.
+        asked = enable_custom_all_reduce is True
+        wanted = asked or (enable_custom_all_reduce is None and device == "gpu" and state.world_size > 1)
+        self.custom = self._start_custom_all_reduce(loud=asked) if wanted else None
+        if self.custom_only and self.custom is None:
+            raise RuntimeError("tensor-parallel ranks in a gloo group (device='gpu:N' in every process) need fdlite's "
+                               "custom all-reduce (NCCL cannot run two ranks on one GPU), and it could not start "
+                               "(the warning above says why)")
 
     @property
     def world_size(self) -> int:
@@ -41,13 +66,39 @@ class Communicator:
         """The paddle group of this tensor-parallel group (None: the whole launch is one group)."""
         return self.state.group
 
+    @contextlib.contextmanager
+    def _host_tensors(self):
+        """Collectives of host values on a gloo group from a GPU process: their tensors must be CPU tensors
+        (Paddle makes them on the expected place, the GPU)."""
+        if self.device != "gpu" or self.state.backend != "gloo":
+            yield
+            return
+        from paddle.framework import _current_expected_place, _set_expected_place  # noqa: PLC0415
+
+        place = _current_expected_place()
+        _set_expected_place(paddle.CPUPlace())
+        try:
+            yield
+        finally:
+            _set_expected_place(place)
+
     def broadcast_object(self, obj):
         """The driver's `obj` on every rank of the group (the driver passes it, the others anything)."""
         import paddle.distributed as dist
 
         box = [obj if self.state.is_driver else None]
-        dist.broadcast_object_list(box, src=self.state.driver_rank, group=self.group)
+        with self._host_tensors():
+            dist.broadcast_object_list(box, src=self.state.driver_rank, group=self.group)
         return box[0]
+
+    def _ranks_on_this_device(self) -> int:
+        """How many ranks of the group compute on this process's GPU (1 on CPU): they split its memory."""
+        if self.device != "gpu" or self.world_size == 1:
+            return 1
+        import socket  # noqa: PLC0415
+
+        where = (socket.gethostname(), paddle.framework._current_expected_place().get_device_id())
+        return sum(pickle.loads(b) == where for b in self.all_gather_bytes(pickle.dumps(where)))
 
     @property
     def backend(self) -> str:
@@ -55,8 +106,9 @@ class Communicator:
 
     # ---- custom all-reduce -----------------------------------------------------------------
 
-    def _start_custom_all_reduce(self):
-        """The custom all-reduce, or None after one log line saying why not (the same answer on every rank)."""
+    def _start_custom_all_reduce(self, loud: bool = True):
+        """The custom all-reduce, or None after one log line saying why not (the same answer on every rank): a
+        warning when the user asked for it (`loud`), else an info line."""
         custom, reason = None, self._custom_all_reduce_problem()
         if self.world_size > 1 and not self.agree(reason is None):
             reason = reason or "another rank cannot use it"
@@ -73,10 +125,15 @@ class Communicator:
         if custom is None:
             fallback = ("using NCCL" if self.device == "gpu" else "using gloo") if self.world_size > 1 else \
                 "one process has nothing to all-reduce anyway"
-            logger.warning("enable_custom_all_reduce=True, but the custom all-reduce cannot be used: %s; %s",
-                           reason, fallback)
+            (logger.warning if loud else logger.info)(
+                "enable_custom_all_reduce=%s, but the custom all-reduce cannot be used: %s; %s",
+                "True" if loud else "None (on by default on a GPU)", reason, fallback)
             return None
-        logger.info("custom all-reduce on (messages up to %d bytes; larger ones use NCCL)", custom.max_size)
+        if self.custom_only:
+            logger.info("custom all-reduce on for every message (no NCCL in a gloo group: larger ones than its %d-byte "
+                        "buffer go in pieces)", custom.max_size)
+        else:
+            logger.info("custom all-reduce on (messages up to %d bytes; larger ones use NCCL)", custom.max_size)
         return custom
 
     def _custom_all_reduce_problem(self) -> str | None:
@@ -103,9 +160,12 @@ class Communicator:
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """Sum of `x` over the ranks (in place on the NCCL/gloo path)."""
-        if self.custom is not None and self.custom.should_use(math.prod(x.shape) * x.element_size()):
+        nbytes = math.prod(x.shape) * x.element_size()
+        if self.custom is not None and self.custom.should_use(nbytes):
             # Out of place: inside a CUDA-graph capture the kernel then reads `x` where it lies.
             return self.custom.all_reduce(x, paddle.empty_like(x))
+        if self.custom_only:
+            return self._all_reduce_in_pieces(x, nbytes)
         import paddle.distributed as dist
 
         if self.device == "gpu":
@@ -116,15 +176,69 @@ class Communicator:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def all_gather_last_axis(self, x: paddle.Tensor) -> paddle.Tensor:
-        """Every rank's `x` concatenated along the last axis, in rank order (on every rank)."""
+    def _all_reduce_in_pieces(self, x: paddle.Tensor, nbytes: int) -> paddle.Tensor:
+        """The custom all-reduce of a message above its staging size, as consecutive pieces of at most that size
+        (ranks without NCCL); out of place, like the one-piece path, so a capture reads `x` where it lies."""
+        from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
+        from fdlite.kernels.allreduce.custom_all_reduce import DTYPE_SIZES  # noqa: PLC0415
+
+        dtype = str(x.dtype).rsplit(".", 1)[-1]
+        if dtype not in DTYPE_SIZES or nbytes % 16:
+            raise ValueError(f"the custom all-reduce takes {sorted(DTYPE_SIZES)} messages of a multiple of 16 bytes; "
+                             f"got {dtype}, {nbytes} bytes, and these ranks have no NCCL to fall back on")
+        out = paddle.empty_like(x)
+        piece = self.custom.max_size // 16 * 16
+        stream = gpu_ops.current_stream_handle()
+        size = DTYPE_SIZES[dtype]
+        for start in range(0, nbytes, piece):
+            n = min(piece, nbytes - start)
+            self.custom.all_reduce_ptr(x.data_ptr() + start, out.data_ptr() + start, n // size, dtype, stream)
+        return out
+
+    def all_gather_last_axis(self, x: paddle.Tensor, columns: int | None = None) -> paddle.Tensor:
+        """Every rank's `x` ([rows, c]) side by side in rank order, on every rank: [rows, columns], the first
+        `columns` (default all W * c) of the gathered ones (a padded vocabulary's tail dropped)."""
+        width = x.shape[-1] * self.world_size
+        columns = width if columns is None else columns
+        if self.device == "gpu":
+            return self._gather_on_device(x, columns)
         import paddle.distributed as dist
 
         parts: list[paddle.Tensor] = []
         dist.all_gather(parts, x, group=self.group)
-        return paddle.concat(parts, axis=-1)
+        full = paddle.concat(parts, axis=-1)
+        return full[:, :columns] if columns != width else full
+
+    def _gather_on_device(self, x: paddle.Tensor, columns: int) -> paddle.Tensor:
+        """all_gather_last_axis on a GPU: fdlite's gather kernel over the custom all-reduce's staging buffers,
+        rows in pieces that fit them, written straight into the [rows, columns] output."""
+        if self.custom is None:
+            raise RuntimeError("the vocabulary all-gather on a GPU runs on fdlite's custom all-reduce library, which "
+                               "is off or could not start here (see the warning at startup)")
+        from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
+
+        rows, c = x.shape
+        out = paddle.empty([rows, columns], dtype=x.dtype)
+        row_in, row_out = c * x.element_size(), columns * x.element_size()
+        step = max(1, self.custom.max_size // row_in)
+        stream = gpu_ops.current_stream_handle()
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            self.custom.gather_ptr(x.data_ptr() + start * row_in, out.data_ptr() + start * row_out, n, row_in,
+                                   row_out, -1, stream)
+        return out
 
     def broadcast_from_driver(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The driver's `x` in `x` on every rank. On a GPU with the custom library: through its staging buffers
+        on the device (no host round trip, no NCCL); otherwise `paddle.distributed.broadcast`."""
+        if self.device == "gpu" and self.custom is not None:
+            from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
+
+            nbytes = math.prod(x.shape) * x.element_size()
+            out = paddle.empty_like(x)
+            src = x.data_ptr() if self.state.is_driver else 0
+            self.custom.gather_ptr(src, out.data_ptr(), 1, nbytes, nbytes, 0, gpu_ops.current_stream_handle())
+            return out
         import paddle.distributed as dist
 
         dist.broadcast(x, src=self.state.driver_rank, group=self.group)
@@ -134,9 +248,10 @@ class Communicator:
         """min / max of a Python int over the ranks."""
         import paddle.distributed as dist
 
-        t = paddle.to_tensor([value], dtype="int64")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.group)
-        return int(t.item())
+        with self._host_tensors():
+            t = paddle.to_tensor([value], dtype="int64")
+            dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.group)
+            return int(t.item())
 
     def agree(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on every rank."""
@@ -147,7 +262,8 @@ class Communicator:
         import paddle.distributed as dist
 
         out: list = []
-        dist.all_gather_object(out, blob, group=self.group)
+        with self._host_tensors():
+            dist.all_gather_object(out, blob, group=self.group)
         return list(out)
 
 

@@ -50,8 +50,26 @@ def check_same_requests(comm: Communicator, digest: int, count: int) -> None:
 def share_sampled_tokens(comm: Communicator, sampled: SamplerOutput | None, num_rows: int | None = None) -> SamplerOutput:
     """Rank 0's sampled tokens on every rank (rank 0 passes its output, the others None and the row count).
     Ranks > 0 get no logprobs: they return no outputs."""
+    if comm.device == "gpu":
+        return _share_on_device(comm, sampled, num_rows)
     if comm.state.is_driver:
         comm.broadcast_from_driver(paddle.to_tensor(np.asarray(sampled.token_ids, dtype=np.int64)))
         return sampled
     tokens = comm.broadcast_from_driver(paddle.zeros([num_rows], dtype="int64")).numpy().tolist()
     return SamplerOutput(token_ids=[int(t) for t in tokens])
+
+
+def _share_on_device(comm: Communicator, sampled: SamplerOutput | None, num_rows: int | None) -> SamplerOutput:
+    """share_sampled_tokens on a GPU: the driver's device ids broadcast on the device (no Paddle kernel: `empty`
+    and fdlite's copies only); the other ranks keep them on the device too (the next step's input patch reads
+    them there) and bring them to the host once."""
+    from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
+
+    if comm.state.is_driver:
+        ids = sampled.device_tokens
+        if ids is None:
+            ids = gpu_ops.upload(np.asarray(sampled.token_ids, dtype=np.int64), np.int64)
+        comm.broadcast_from_driver(ids)
+        return sampled
+    ids = comm.broadcast_from_driver(paddle.empty([num_rows], dtype="int64"))
+    return SamplerOutput(token_ids=gpu_ops.to_host(ids).tolist(), device_tokens=ids)

@@ -20,7 +20,11 @@ Measured with paddlepaddle 3.3.1 (CPU build), 2026-11-23:
   to gloo on CPU when it is unset.
 
 On GPU the same code asks for NCCL (Paddle's default with a CUDA build); `paddle.set_device("gpu")`
-picks the GPU the launcher assigned (`FLAGS_selected_gpus`). That path is written, not run here.
+picks the GPU the launcher assigned (`FLAGS_selected_gpus`). A script that pins its GPU itself
+(`device="gpu:0"` in every process) may put several ranks on one GPU, where NCCL refuses to run (it
+rejects two ranks on one device): the group is then gloo, for the host's few collectives (KV block
+count, request digests, IPC handles), and every collective of a step goes through fdlite's custom
+all-reduce over CUDA IPC (`communicator.py`). That is the layout the one-GPU machines verify on.
 """
 
 from __future__ import annotations
@@ -89,9 +93,20 @@ def group_of(rank: int, tensor_parallel_size: int) -> tuple[int, int]:
     return rank // tensor_parallel_size, rank % tensor_parallel_size
 
 
-def init_tensor_parallel(tensor_parallel_size: int, device: str, data_parallel_size: int = 1) -> ParallelState:
+def control_backend(device: str, pinned_gpu: bool) -> str:
+    """The process group's backend: gloo on CPU and for GPU ranks that pinned their GPU themselves (they may
+    share it, which NCCL refuses), else NCCL. An explicit PADDLE_DISTRI_BACKEND wins."""
+    chosen = os.environ.get("PADDLE_DISTRI_BACKEND", "auto")
+    if chosen != "auto":
+        return chosen
+    return "gloo" if device == "cpu" or pinned_gpu else "nccl"
+
+
+def init_tensor_parallel(tensor_parallel_size: int, device: str, data_parallel_size: int = 1,
+                         pinned_gpu: bool = False) -> ParallelState:
     """Check the launch matches `data_parallel_size * tensor_parallel_size` and join the collective groups
-    (once per process): the whole launch, and with both sizes above 1 this rank's tensor-parallel group."""
+    (once per process): the whole launch, and with both sizes above 1 this rank's tensor-parallel group.
+    `pinned_gpu`: the GPU was named by the caller (`device="gpu:N"`), so ranks may share it: gloo control."""
     world = launched_world_size()
     tp, dp = tensor_parallel_size, data_parallel_size
     if tp * dp == 1 and world == 1:
@@ -111,15 +126,19 @@ def init_tensor_parallel(tensor_parallel_size: int, device: str, data_parallel_s
         )
     import paddle.distributed as dist
 
-    if device == "cpu":
-        os.environ.setdefault("PADDLE_DISTRI_BACKEND", "gloo")
+    backend = control_backend(device, pinned_gpu)
+    if backend == "gloo":
+        os.environ["PADDLE_DISTRI_BACKEND"] = "gloo"
     if not dist.is_initialized():
+        import paddle  # noqa: PLC0415
+
+        place = paddle.get_device()
         dist.init_parallel_env()
+        paddle.set_device(place)  # a gloo group makes the CPU Paddle's expected place, even in a GPU process
     rank, size = dist.get_rank(), dist.get_world_size()
     if size != world or rank != launched_rank():
         raise RuntimeError(f"process group is rank {rank} of {size}, but the launcher said rank "
                            f"{launched_rank()} of {world}")
-    backend = "gloo" if device == "cpu" else "nccl"
     dp_rank, tp_rank = group_of(rank, tp)
     group = None
     if dp > 1 and tp > 1:

@@ -8,7 +8,8 @@ the embedding read transposed ([vocab_per_rank, hidden]).
 CPU: gather, matmul (a tied head uses a transposed copy made once: Paddle's CPU matmul pays a full
 copy for `transpose_y` on every call), then float32. GPU: one gather kernel and one cuBLASLt GEMM that
 reads the tied embedding transposed for free and writes float32 directly. With tensor parallelism
-each rank computes its vocabulary slice and an all-gather joins them.
+each rank computes its vocabulary slice and an all-gather joins them (on a GPU, fdlite's gather
+kernel writes the [tokens, vocab] result directly: `Communicator.all_gather_last_axis`).
 """
 
 from __future__ import annotations
@@ -56,5 +57,4 @@ def gather_vocab(local_logits: paddle.Tensor, vocab_size: int, tp_size: int) -> 
         return local_logits
     from fdlite.distributed.communicator import get_communicator  # noqa: PLC0415
 
-    full = get_communicator().all_gather_last_axis(local_logits)
-    return full[:, :vocab_size] if full.shape[-1] != vocab_size else full
+    return get_communicator().all_gather_last_axis(local_logits, vocab_size)

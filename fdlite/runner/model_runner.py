@@ -12,6 +12,7 @@ steps) in the same order, so the collectives inside the layers pair up; rank 0 a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -76,15 +77,12 @@ class ModelRunner:
         self.model_path = model_path
         self.device = select_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
+        config.resolve_device(self.device)
         tp_size = config.tensor_parallel_size
-        if self.device == "gpu" and tp_size > 1:
-            # The vocabulary all-gather of the logits ends in Paddle's concat on the last axis, one of the
-            # built-in kernels that do nothing on sm_90 with PyPI's paddlepaddle-gpu; refuse rather than
-            # sample from garbage.
-            raise ValueError("tensor_parallel_size > 1 is not available on fdlite's GPU path yet (the logits' "
-                             "vocabulary all-gather has no fdlite kernel); use tensor_parallel_size=1 on GPU")
         TPPartition.of(model_config, 0, tp_size)  # a model that cannot be split fails before any process waits
-        self.parallel = init_tensor_parallel(tp_size, self.device, config.data_parallel_size)
+        # `device="gpu:N"` under a launch pins every rank's GPU itself: ranks may share one (the verification layout).
+        pinned = self.device == "gpu" and (config.device or "").startswith("gpu:")
+        self.parallel = init_tensor_parallel(tp_size, self.device, config.data_parallel_size, pinned_gpu=pinned)
         self.comm = Communicator(self.parallel, self.device, config.enable_custom_all_reduce)
         set_communicator(self.comm)
         self.tp = TPPartition.of(model_config, self.parallel.rank, tp_size)
@@ -214,6 +212,8 @@ class ModelRunner:
         largest = max(sizes) if sizes else 0
         pooled = None if not sizes or self.device != "gpu" or graphs_share_pool() else sum(sizes)
         reserve = graph_reserve_bytes(profile, largest, len(sizes), pooled)
+        if self.comm.ranks_on_device > 1:  # ranks sharing this GPU split its memory
+            profile = dataclasses.replace(profile, total=profile.total // self.comm.ranks_on_device)
         available = kv_cache_bytes(profile, self.config.gpu_memory_utilization, reserve)
         logger.debug("KV cache sizing: total %.2f GiB x %.2f, in use after profiling %.2f GiB, activation peak %.2f GiB, "
                     "CUDA-graph reserve %.2f GiB -> %.2f GiB for the cache", profile.total / 2**30,

@@ -325,6 +325,85 @@ def sim_graph(sim: Sim, replays: int, seed: int) -> dict:
     return res
 
 
+def sim_gather(sim: Sim, seed: int, replays: int = 200) -> dict:
+    """fdar_gather: all-gather and broadcast-from-each-root of float32 rows, eager and replayed from a graph with the
+    inputs rewritten, against torch's own concatenation. Row widths: a multiple of 4 floats (16-byte path), an odd
+    one (4-byte path), and an output row cut short (the padded vocabulary of a tensor-parallel LM head)."""
+    W, dev = sim.world, sim.dev
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    cases = []  # (rows, cols per rank, output columns, root)
+    for rows, cols in ((1, 4), (7, 1000), (64, 255), (3, 4097)):
+        cases.append((rows, cols, W * cols, -1))
+        cases.append((rows, cols, W * cols - 3 if W * cols > 3 else W * cols, -1))
+        for root in range(W):
+            cases.append((rows, cols, cols, root))
+    failures, runs = [], 0
+
+    def launch(xs, outs, rows, cols, out_cols, root):
+        ev = torch.cuda.Event()
+        ev.record()
+        for r, g in enumerate(sim.group):
+            sim.streams[r].wait_event(ev)
+            src = xs[r].data_ptr() if root < 0 or root == r else 0
+            g.gather_ptr(src, outs[r].data_ptr(), rows, cols * 4, out_cols * 4, root, sim.streams[r].cuda_stream)
+        sim.join()
+
+    def expect(xs, rows, cols, out_cols, root):
+        full = xs.permute(1, 0, 2).reshape(rows, W * cols) if root < 0 else xs[root]
+        return full[:, :out_cols]
+
+    for rows, cols, out_cols, root in cases:
+        xs = torch.randn(W, rows, cols, generator=gen, device=dev)
+        outs = torch.full((W, rows, out_cols), float("nan"), device=dev)
+        launch(xs, outs, rows, cols, out_cols, root)
+        ref = expect(xs, rows, cols, out_cols, root)
+        runs += 1
+        if not all(torch.equal(outs[r], ref) for r in range(W)):
+            failures.append({"rows": rows, "cols": cols, "out_cols": out_cols, "root": root})
+            log(f"  FAIL gather W={W} rows={rows} cols={cols} out={out_cols} root={root}")
+    # in a graph: one all-gather and one broadcast per rank, inputs rewritten before each replay
+    rows, cols = 16, 1001
+    xs = torch.randn(W, rows, cols, generator=gen, device=dev)
+    ga = torch.full((W, rows, W * cols - 1), float("nan"), device=dev)
+    ids = torch.zeros(W, rows, 2, dtype=torch.float32, device=dev)  # 8-byte rows: the sampled ids' int64
+    gb = torch.full_like(ids, float("nan"))
+    graphs = []
+    for r, g in enumerate(sim.group):
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg, stream=sim.streams[r]):
+            s = sim.streams[r].cuda_stream
+            g.gather_ptr(xs[r].data_ptr(), ga[r].data_ptr(), rows, cols * 4, (W * cols - 1) * 4, -1, s)
+            g.gather_ptr(ids[r].data_ptr() if r == 0 else 0, gb[r].data_ptr(), rows, 8, 8, 0, s)
+        graphs.append(cg)
+    graph_bad = 0
+    for it in range(replays):
+        xs.normal_(generator=gen)
+        ids.normal_(generator=gen)
+        replay_all(sim, graphs)
+        ref_a = expect(xs, rows, cols, W * cols - 1, -1)
+        graph_bad += int(not all(torch.equal(ga[r], ref_a) and torch.equal(gb[r], ids[0]) for r in range(W)))
+    torch.cuda.synchronize()
+    errs = sim.device_errors()
+    refusals = {}
+    g0 = sim.group[0]
+    x = torch.zeros(64, device=dev)
+    for name, call in {
+        "above_max_size": lambda: g0.gather_ptr(x.data_ptr(), x.data_ptr(), g0.max_size // 64 + 1, 64, 64, -1, 0),
+        "row_not_multiple_of_4": lambda: g0.gather_ptr(x.data_ptr(), x.data_ptr(), 2, 6, 6 * W, -1, 0),
+        "output_wider_than_gathered": lambda: g0.gather_ptr(x.data_ptr(), x.data_ptr(), 1, 16, 16 * W + 16, -1, 0),
+        "root_out_of_range": lambda: g0.gather_ptr(x.data_ptr(), x.data_ptr(), 1, 16, 16, W, 0),
+    }.items():
+        try:
+            call()
+            refusals[name] = "accepted (WRONG)"
+        except car.CustomAllReduceError as e:
+            refusals[name] = f"refused code {e.code}"
+    return {"runs": runs, "failures": failures, "graph_replays": replays, "graph_replays_wrong": graph_bad,
+            "device_errors": errs, "refusals": refusals,
+            "ok": not failures and graph_bad == 0 and not any(errs) and all("refused" in v for v in refusals.values())}
+
+
 def replay_all(sim: Sim, graphs) -> None:
     ev = torch.cuda.Event()
     ev.record()
@@ -451,6 +530,13 @@ def run_sim(args) -> dict:
         for it in g["replays"]["items"]:
             log(f"    {it}")
         log(f"    eager between replays: {g['replays']['eager_between']}")
+    if "gather" in args.tests:
+        t = time.time()
+        out["gather"] = sim_gather(sim, args.seed + 3)
+        g = out["gather"]
+        log(f"[sim W={args.world}] gather: ok={g['ok']} runs={g['runs']} failures={g['failures'][:3]} "
+            f"graph replays wrong {g['graph_replays_wrong']}/{g['graph_replays']} refusals={g['refusals']} "
+            f"({time.time() - t:.1f} s)")
     if "bench" in args.tests:
         out["bench"] = sim_bench(sim, POW2_SIZES, "bfloat16", args.seed + 2, args.graph_replays)
     return out
@@ -649,7 +735,7 @@ def main(argv=None) -> int:
     ap.add_argument("mode", choices=["sim", "dist"])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
-    ap.add_argument("--tests", default="correctness,graph,bench")
+    ap.add_argument("--tests", default="correctness,graph,gather,bench")
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
     ap.add_argument("--replays", type=int, default=10000)
     ap.add_argument("--graph-replays", type=int, default=1000)

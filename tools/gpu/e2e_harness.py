@@ -19,6 +19,8 @@ fresh allocator and its startup numbers are its own:
     python3 tools/gpu/e2e_harness.py memory     --out DIR   # create / generate / del three times: same KV cache, memory back
     python3 tools/gpu/e2e_harness.py moe_bench  --out DIR   # ERNIE-4.5-21B-A3B, Qwen3-30B-A3B, Qwen3-4B shapes (dummy
                                                              # weights): protocol + prefill-heavy beside their roofline
+    python3 tools/gpu/e2e_harness.py tp         --out DIR   # tensor_parallel_size=2, two processes sharing the GPU:
+                                                             # tokens vs tp=1 and transformers, graphs vs eager
 
 Each writes DIR/<section>.json as it goes (a crash keeps what was measured).
 """
@@ -43,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "latency", "diag", "breakdown", "sampling", "churn",
-                                    "sampling_checks", "memory", "profile", "moe", "fp8", "moe_bench"])
+                                    "sampling_checks", "memory", "profile", "moe", "fp8", "moe_bench", "tp", "tp_rank"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
@@ -94,14 +96,17 @@ FAMILY_OVERRIDES = {"qwen2": {}, "qwen3": dict(head_dim=128), "llama": {}, "erni
                     "ernie45_moe": dict(head_dim=64, num_hidden_layers=4, moe_intermediate_size=72),
                     "qwen3_moe": dict(head_dim=128, num_hidden_layers=3, num_experts=16, num_experts_per_tok=4,
                                       moe_intermediate_size=40)}
+# The same MoE shapes for tensor parallelism ("family@tp"): expert widths whose halves the GPU kernels take (x8).
+FAMILY_OVERRIDES["ernie45_moe@tp"] = dict(FAMILY_OVERRIDES["ernie45_moe"], moe_intermediate_size=80)
+FAMILY_OVERRIDES["qwen3_moe@tp"] = dict(FAMILY_OVERRIDES["qwen3_moe"], moe_intermediate_size=48)
 
 
 def small_model(family: str) -> str:
     from hf_models import write_random_model  # noqa: PLC0415
 
-    path = os.path.join(ARGS.models, family)
+    path = os.path.join(ARGS.models, family.replace("@", "_"))
     if not os.path.isfile(os.path.join(path, "config.json")):
-        write_random_model(path, family, seed=1, **{**GPU_BASE, **FAMILY_OVERRIDES[family]})
+        write_random_model(path, family.split("@")[0], seed=1, **{**GPU_BASE, **FAMILY_OVERRIDES[family]})
     return path
 
 
@@ -403,6 +408,186 @@ def eager_then_graphs(path: str, prompts: list[list[int]], params, **common):
     llm = LLM(path, use_cudagraph=True, **common)
     got = tokens(llm)
     return want, got, llm.last_generate_stats, llm
+
+
+# ---- tensor parallelism: two processes sharing the GPU (issue 27) ---------------------------------
+
+PARITY_OPTIONS = dict(dtype="float32", skip_tokenizer_init=True, max_num_seqs=16, block_size=16, max_model_len=1024,
+                      max_num_batched_tokens=256, num_gpu_blocks_override=160)
+TP_GRAPH_STEPS = [40, 30, 20, 10] if ARGS.quick else [1000, 700, 300, 100]  # the long run of the graph check: 4, 3, 2, 1 rows -> padded sizes 4, 2, 1
+
+
+def tp_long_prompts() -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(21)
+    return [rng.integers(3, 1024, size=int(k)).tolist() for k in (7, 60, 130, 33)], TP_GRAPH_STEPS
+
+
+def section_tp():
+    """tensor_parallel_size=2 on one GPU, two processes sharing it (`device="gpu:0"` in each, a gloo group, every
+    collective of a step on fdlite's custom all-reduce library over CUDA IPC): fp32 greedy tokens against tp=1 and
+    transformers fp32 on the parity check's job (joins, preemption, prefix hits, chunked prefill; CUDA graphs on),
+    1,000 decode steps with graphs against eager at tp=2, the startup order from each rank's recorded phases, and the
+    custom library's counters (all-reduces captured and registered, device error bits). This process computes the
+    references and the tp=1 tokens, then starts the ranks (`tp_rank`, this script again) and reads their files."""
+    import subprocess  # noqa: PLC0415
+
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+
+    fams = [f for f in ARGS.families.split(",") if f]
+    spec = {"families": {}, "out": ARGS.out}
+    refs = {}
+    small_model("qwen3")  # the ranks' graph check runs it: written here, not by two processes at once
+    for fam in fams:
+        path = small_model(fam)
+        prompts = mixed_prompts(16 if ARGS.quick else 64, seed=40 + fams.index(fam), vocab=1024, max_len=600)
+        ref, gaps = hf_greedy(path, prompts, 16, "float32")
+        llm = LLM(path, device=FDL_DEVICE, **PARITY_OPTIONS)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        tp1 = [o.outputs[0].token_ids for o in outs]
+        llm.close()
+        refs[fam] = (ref, gaps, tp1)
+        spec["families"][fam] = {"path": path, "prompts": prompts}
+        log("  tp1", fam, compare(tp1, ref, gaps))
+    spec_path = os.path.join(ARGS.out, "tp_spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    port = 30000 + os.getpid() % 20000
+    eps = [f"127.0.0.1:{port + 1 + r}" for r in range(2)]
+    procs = []
+    for r in range(2):
+        env = {**os.environ, "PADDLE_TRAINER_ID": str(r), "PADDLE_TRAINERS_NUM": "2", "PADDLE_CURRENT_ENDPOINT": eps[r],
+               "PADDLE_TRAINER_ENDPOINTS": ",".join(eps), "PADDLE_MASTER": f"127.0.0.1:{port}",
+               "PADDLE_RANK_IN_NODE": str(r), "PADDLE_LOCAL_RANK": str(r)}
+        log_f = open(os.path.join(ARGS.out, f"tp_rank{r}.log"), "w")
+        procs.append((subprocess.Popen([sys.executable, __file__, "tp_rank", "--out", ARGS.out, "--models", ARGS.models]
+                                       + ["--quick"] * ARGS.quick, env=env, stdout=log_f,
+                                       stderr=subprocess.STDOUT), log_f))
+    limit = float(os.environ.get("FDLITE_TP_LIMIT_S", "400"))
+    t = time.time()
+    for p, log_f in procs:
+        try:
+            p.wait(timeout=max(1.0, limit - (time.time() - t)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+        log_f.close()
+    ranks = []
+    for r in range(2):
+        path = os.path.join(ARGS.out, f"tp_rank{r}.json")
+        ranks.append(json.load(open(path)) if os.path.exists(path) else {"missing": True})
+        log(f"  rank {r} exit {procs[r][0].returncode}; log tail:",
+            open(os.path.join(ARGS.out, f"tp_rank{r}.log")).read()[-1500:])
+    r0 = ranks[0]
+    for fam in fams:
+        def case(f=fam):
+            ref, gaps, tp1 = refs[f]
+            got = r0.get("families", {}).get(f)
+            if got is None or "error" in got:
+                raise RuntimeError(f"rank 0 has no tokens for {f}: {got and got.get('error')}")
+            res = {"vs_transformers": compare(got["tokens"], ref, gaps), "vs_tp1": compare(got["tokens"], tp1, gaps),
+                   **{k: v for k, v in got.items() if k != "tokens"},
+                   "rank1": {k: v for k, v in ranks[1].get("families", {}).get(f, {}).items() if k != "tokens"}}
+            res["pass"] = bool(res["vs_transformers"]["pass"] and res["vs_tp1"]["pass"] and got["startup_order_ok"]
+                               and (got.get("preemptions") or 0) > 0 and (got.get("prefix_cache_hit_tokens") or 0) > 0
+                               and not got.get("device_errors") and got.get("custom_stats", {}).get("graph", 0) > 0)
+            return res
+        run(f"tp2_fp32_greedy_{fam}", case)
+
+    def graphs():
+        g = r0.get("graphs")
+        if g is None or "error" in g:
+            raise RuntimeError(f"rank 0 has no graph check: {g and g.get('error')}")
+        return {**g, "pass": bool(g["identical"] and g["cudagraph_replays"] >= 990 and not g.get("device_errors"))}
+    run("tp2_graphs_1000_decode_steps", graphs)
+
+
+def section_tp_rank():
+    """One rank of `section_tp` (started by it, with the launcher's environment variables)."""
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+    from fdlite.distributed.communicator import Communicator  # noqa: PLC0415
+    from fdlite.kernels.allreduce import is_capturing_custom_allreduce  # noqa: PLC0415
+
+    counts = {"total": 0, "capturing": 0}
+    real = Communicator.all_reduce
+
+    def counting(self, x):
+        counts["total"] += 1
+        counts["capturing"] += int(is_capturing_custom_allreduce())
+        return real(self, x)
+    Communicator.all_reduce = counting
+    rank = int(os.environ["PADDLE_TRAINER_ID"])
+    spec = json.load(open(os.path.join(ARGS.out, "tp_spec.json")))
+    out = {"rank": rank, "families": {}}
+    path_out = os.path.join(ARGS.out, f"tp_rank{rank}.json")
+
+    def write():
+        with open(path_out, "w") as f:
+            json.dump(out, f, default=str)
+
+    def startup_order_ok(llm) -> bool:
+        ph = llm.phases
+        if not any(e.name == "capture_custom_allreduce" for e in ph.events):
+            return False  # no graphs were captured (a CPU dry run)
+        order = [ph.index("end", "load_weights"), ph.index("end", "profile_run"), ph.index("end", "kv_cache"),
+                 ph.index("begin", "capture_custom_allreduce"), ph.index("begin", "cudagraph_capture"),
+                 ph.index("point", "cudagraph_captured"), ph.index("end", "cudagraph_capture"),
+                 ph.index("end", "capture_custom_allreduce")]
+        return order == sorted(order)
+
+    def custom_state(llm) -> dict:
+        custom = llm.runner.comm.custom
+        return {"custom_stats": custom.stats() if custom else None,
+                "device_errors": custom.device_errors(clear=True) if custom else ["no custom all-reduce"],
+                "backend": llm.runner.comm.backend, "ranks_on_device": llm.runner.comm.ranks_on_device}
+
+    device = "gpu:0" if FDL_DEVICE == "gpu" else FDL_DEVICE  # a CPU dry run: gloo, no custom library
+    opts = dict(device=device, tensor_parallel_size=2, use_cudagraph=True)
+    for fam, case in spec["families"].items():
+        t = time.time()
+        try:
+            counts.update(total=0, capturing=0)
+            llm = LLM(case["path"], **PARITY_OPTIONS, **opts)
+            captured = dict(counts)
+            outs = llm.generate([{"prompt_token_ids": p} for p in case["prompts"]],
+                                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+            st = llm.last_generate_stats
+            out["families"][fam] = {
+                "tokens": [o.outputs[0].token_ids for o in outs] if rank == 0 else [], "outputs": len(outs),
+                "steps": st.get("num_steps"), "cudagraph_replays": st.get("cudagraph_replays"),
+                "mixed_graph_replays": st.get("cudagraph_mixed_replays"), "preemptions": st.get("num_preemptions"),
+                "prefix_cache_hit_tokens": st.get("prefix_cache_hit_tokens"), "startup_order_ok": startup_order_ok(llm),
+                "all_reduces_at_startup": captured, "seconds": round(time.time() - t, 1),
+                "startup_s": round(llm.startup_report.get("total_s", 0), 2), **custom_state(llm)}
+            llm.close()
+        except Exception as e:  # noqa: BLE001 - recorded; the parent reports it
+            out["families"][fam] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        log(f"rank {rank}", fam, {k: v for k, v in out["families"][fam].items() if k != "tokens"})
+        write()
+    try:  # 1,000 decode steps, graphs against eager, at tp=2
+        prompts, steps = tp_long_prompts()
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in steps]
+        path = small_model("qwen3")
+        common = dict(PARITY_OPTIONS, device=device, tensor_parallel_size=2, max_num_seqs=4, max_model_len=1200,
+                      num_gpu_blocks_override=400)
+        tok = {}
+        for graphs_on in (False, True):
+            t = time.time()
+            llm = LLM(path, use_cudagraph=graphs_on, **common)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            tok[graphs_on] = [o.outputs[0].token_ids for o in outs]
+            st = llm.last_generate_stats
+            if graphs_on:
+                out["graphs"] = {"identical": tok[True] == tok[False], "steps": st.get("num_steps"),
+                                 "cudagraph_replays": st.get("cudagraph_replays"),
+                                 "padded_replays": st.get("cudagraph_padded_replays"),
+                                 "graph_s": round(time.time() - t, 1), **custom_state(llm)}
+            else:
+                out["eager_s"] = round(time.time() - t, 1)
+            llm.close()
+    except Exception as e:  # noqa: BLE001
+        out["graphs"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+    log(f"rank {rank} graphs", out.get("graphs"))
+    write()
 
 
 # ---- CUDA graphs: 1,000 decode steps ------------------------------------------------------------
@@ -931,8 +1116,37 @@ def section_latency():
             return res
         return f
 
+    def host_profile():
+        """Where a batch-1 step's host time goes: cProfile of a synchronous engine (every phase on this thread),
+        256 tokens, the top functions by own time (cProfile's overhead inflates all of them alike)."""
+        import cProfile  # noqa: PLC0415
+        import io  # noqa: PLC0415
+        import pstats  # noqa: PLC0415
+
+        llm = LLM(path, skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=rows, block_size=bs,
+                  max_model_len=prompt_len + out_len + bs, num_gpu_blocks_override=blocks, use_cudagraph=True,
+                  enable_prefix_caching=False, async_scheduling=False)
+        try:
+            prompt = [{"prompt_token_ids": list(range(10, 10 + prompt_len))}]
+            params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=out_len)
+            llm.generate(prompt, params, use_tqdm=False)
+            prof = cProfile.Profile()
+            prof.enable()
+            llm.generate(prompt, params, use_tqdm=False)
+            prof.disable()
+        finally:
+            llm.close()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
+        text = buf.getvalue()
+        with open(os.path.join(ARGS.out, "latency_host_profile.txt"), "w") as f:
+            f.write(text)
+        return {"top": text.splitlines()[:70]}
+
     run("decode_latency_sync", case(False))
     run("decode_latency_async", case(True))
+    if os.environ.get("FDLITE_E2E_HOST_PROFILE"):
+        run("decode_latency_host_profile", host_profile)
     a, s_ = RES["results"].get("decode_latency_async"), RES["results"].get("decode_latency_sync")
     if a and s_:
         RES["results"]["async_vs_sync_ms_per_token"] = {
@@ -1635,7 +1849,7 @@ if __name__ == "__main__":
      "throughput": section_throughput, "latency": section_latency, "diag": section_diag, "breakdown": section_breakdown,
      "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn, "memory": section_memory,
      "profile": section_profile, "moe": section_moe, "fp8": section_fp8,
-     "moe_bench": section_moe_bench}[ARGS.section]()
+     "moe_bench": section_moe_bench, "tp": section_tp, "tp_rank": section_tp_rank}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()
     log("done", ARGS.section, "errors:", len(RES["errors"]))

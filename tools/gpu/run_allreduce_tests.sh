@@ -61,7 +61,7 @@ done
 
 for W in 1 2 4 8; do
   step "sim_W${W}_correctness_graph" 150 env FDLITE_OPS_LIB=$DBG python3 $H sim --world $W \
-    --tests correctness,graph --replays "$REPLAYS" --out "$RES/sim_W${W}.json"
+    --tests correctness,graph,gather --replays "$REPLAYS" --out "$RES/sim_W${W}.json"
 done
 step dist_nccl_W1 150 env FDLITE_OPS_LIB=$REL python3 $H dist --world 1 --backend nccl --bench \
   --replays "$REPLAYS" --out "$RES/dist_nccl_W1.json"

@@ -7,7 +7,7 @@
 #   SECTIONS="hf_bench throughput" bash tools/gpu/run_e2e.sh      (a second call while the machine is warm)
 # Env: KIT (the Paddle 2.6.2 staging kit's folder, holding device-setup.sh; default shared/gpu-paddle beside tools/;
 # docs/design.md, "The GPU host framework"), SECTIONS, LIMITS
-# ("parity=170 graphs=100 hf_bench=90 throughput=230": seconds per section), HARNESS_ARGS.
+# ("parity=170 graphs=100 hf_bench=90 throughput=230": seconds per section), HARNESS_ARGS, FDAR_DEBUG (section tp).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-${TMPDIR:-/tmp}/fdl_e2e_out}
@@ -17,8 +17,14 @@ LOG=$OUT/e2e_log.txt
 start_log "$LOG" || exit 1
 cp "$(dirname "$FDLITE_GPU_OPS_LIB")/ptxas_report.txt" "$OUT/" 2>/dev/null || true
 declare -A LIMIT=([parity]=170 [graphs]=150 [hf_bench]=90 [throughput]=230 [latency]=240 [diag]=200 [sampling_checks]=200 [sampling]=330 [churn]=420
-                  [memory]=150 [moe_bench]=560)
+                  [memory]=150 [moe_bench]=560 [tp]=560)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done
+if [[ " ${SECTIONS:-} " == *" tp "* ]]; then
+  # The tensor-parallel section's collectives: the custom all-reduce library, with barriers that trap after 20 s
+  # instead of hanging (FDAR_DEBUG=1) unless FDAR_DEBUG=0 is passed.
+  FDAR_DEBUG=${FDAR_DEBUG:-1} GPU_OPS=0 bash tools/gpu/build_ops.sh fdlite/kernels/lib > "$OUT/allreduce_build.log" 2>&1 \
+    && echo "custom all-reduce library built" | tee -a "$LOG" || { echo "custom all-reduce build failed" | tee -a "$LOG"; tail -20 "$OUT/allreduce_build.log"; }
+fi
 rc=0
 for s in ${SECTIONS:-parity graphs hf_bench throughput}; do
   t1=$SECONDS

@@ -42,7 +42,7 @@ else:  # loaded by path: no import of the fdlite package (hence of Paddle)
 
 LIB_ENV = native.ALLREDUCE_LIB_ENV
 LIB_NAME = native.ALLREDUCE_LIB
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: fdar_gather
 IPC_HANDLE_BYTES = 64
 DEFAULT_STAGING_BYTES = 8 << 20  # FastDeploy's default max_size
 SUPPORTED_WORLD_SIZES = (1, 2, 4, 8)
@@ -88,6 +88,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fdar_drop_pending": (_int, [_vp]),
     "fdar_all_reduce": (_int, [_vp, _vp, _vp, _i64, _int, _vp]),
     "fdar_all_reduce_ex": (_int, [_vp, _vp, _vp, _i64, _int, _vp, _int]),
+    "fdar_gather": (_int, [_vp, _vp, _vp, _i64, _i64, _i64, _int, _vp]),
     "fdar_device_errors": (_int, [_vp, _pu32, _int]),
     "fdar_stats": (_int, [_vp, _pi64]),
     "fdar_blocks_per_sm": (_int, [_int, _pi]),
@@ -213,6 +214,11 @@ class _Lib:
 
     def all_reduce(self, ctx: int, inp: int, out: int, numel: int, dtype: int, stream: int, algo: int) -> None:
         self._check(self.c.fdar_all_reduce_ex(ctx, inp, out, numel, dtype, stream, algo), "fdar_all_reduce")
+
+    def gather(self, ctx: int, inp: int, out: int, rows: int, in_row_bytes: int, out_row_bytes: int, root: int,
+               stream: int) -> None:
+        self._check(self.c.fdar_gather(ctx, inp or None, out, rows, in_row_bytes, out_row_bytes, root, stream),
+                    "fdar_gather")
 
     def device_errors(self, ctx: int, clear: bool) -> int:
         v = ctypes.c_uint32(0)
@@ -466,6 +472,12 @@ class CustomAllReduce:
 
     def all_reduce_ptr(self, inp: int, out: int, numel: int, dtype: str, stream: int, algo: str = "auto") -> None:
         self._lib.all_reduce(self._ctx, inp, out, numel, DTYPES[dtype], stream, ALGOS[algo])
+
+    def gather_ptr(self, inp: int, out: int, rows: int, in_row_bytes: int, out_row_bytes: int, root: int,
+                   stream: int) -> None:
+        """All-gather (root -1) or broadcast from `root` of `rows` rows through the staging buffers, eager or
+        inside a capture alike (fdar_gather): `rows * in_row_bytes` at most `max_size`; callers split larger ones."""
+        self._lib.gather(self._ctx, inp, out, rows, in_row_bytes, out_row_bytes, root, stream)
 
     # --- diagnostics -----------------------------------------------------------------
     def device_errors(self, clear: bool = False) -> list[str]:

@@ -303,6 +303,56 @@ void Group::all_reduce(const void* in, void* out, int64_t numel, int dtype, cuda
   stats_[algo == FDAR_ALGO_ONE_SHOT ? FDAR_STAT_ONE_SHOT : FDAR_STAT_TWO_SHOT] += 1;
 }
 
+namespace {
+template <typename U>
+void launch_gather(int world, int blocks, cudaStream_t s, const Peers& P, const Self& me, const void* in,
+                   void* out, int64_t rows, int64_t in_row, int64_t out_row, int first, int count) {
+  const U* i = static_cast<const U*>(in);
+  U* o = static_cast<U*>(out);
+  switch (world) {
+    case 1: gather_kernel<U, 1><<<blocks, kThreads, 0, s>>>(P, me, i, o, rows, in_row, out_row, first, count); break;
+    case 2: gather_kernel<U, 2><<<blocks, kThreads, 0, s>>>(P, me, i, o, rows, in_row, out_row, first, count); break;
+    case 4: gather_kernel<U, 4><<<blocks, kThreads, 0, s>>>(P, me, i, o, rows, in_row, out_row, first, count); break;
+    case 8: gather_kernel<U, 8><<<blocks, kThreads, 0, s>>>(P, me, i, o, rows, in_row, out_row, first, count); break;
+  }
+}
+}  // namespace
+
+// All-gather (root < 0) or broadcast from `root`, through the staging buffers: the input
+// is copied in by the kernel, so this is the same launch eagerly and inside a capture.
+void Group::gather(const void* in, void* out, int64_t rows, int64_t in_row_bytes, int64_t out_row_bytes,
+                   int root, cudaStream_t stream) {
+  if (!peers_ready_) throw Error(FDAR_E_NO_PEERS, "peers not opened (fdar_open_peers_ipc / fdar_set_peers_local)");
+  const bool bcast = root >= 0;
+  if (root >= world_) throw Error(FDAR_E_ARG, "broadcast root out of range");
+  if (!out || rows <= 0 || in_row_bytes <= 0) throw Error(FDAR_E_ARG, "empty or null gather");
+  if ((!bcast || root == rank_) && !in) throw Error(FDAR_E_ARG, "gather: null input on a rank that sends");
+  const int count = bcast ? 1 : world_;
+  if (out_row_bytes <= 0 || out_row_bytes > in_row_bytes * count)
+    throw Error(FDAR_E_ARG, "gather: output rows must hold 1 to all of the gathered columns");
+  if (rows * in_row_bytes > staging_bytes_)
+    throw Error(FDAR_E_SIZE, "gather of " + std::to_string(rows * in_row_bytes) + " bytes per rank: above the " +
+                                 std::to_string(staging_bytes_) + "-byte staging buffer");
+  const bool wide = in_row_bytes % 16 == 0 && out_row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int64_t unit = wide ? 16 : 4;
+  if (in_row_bytes % unit || out_row_bytes % unit || reinterpret_cast<uintptr_t>(in) % unit ||
+      reinterpret_cast<uintptr_t>(out) % unit)
+    throw Error(FDAR_E_ALIGN, "gather: rows and pointers must be multiples of 4 bytes");
+  const int64_t n = rows * (in_row_bytes / unit);
+  const int blocks = (int)std::max<int64_t>(1, std::min<int64_t>(max_blocks_, (n + kThreads - 1) / kThreads));
+  const void* src = bcast && root != rank_ ? nullptr : in;
+  const int first = bcast ? root : 0;
+  if (wide)
+    launch_gather<uint4>(world_, blocks, stream, peers_, self_, src, out, rows, in_row_bytes / 16, out_row_bytes / 16,
+                         first, count);
+  else
+    launch_gather<uint32_t>(world_, blocks, stream, peers_, self_, src, out, rows, in_row_bytes / 4, out_row_bytes / 4,
+                            first, count);
+  check(cudaGetLastError(), "gather launch");
+  stats_[FDAR_STAT_STAGING] += 1;
+}
+
 uint32_t Group::device_errors(bool clear) {
   uint32_t v = 0;
   Signal* s = reinterpret_cast<Signal*>(base_);

@@ -84,6 +84,7 @@ __device__ __forceinline__ uint64_t global_ns() {
 // Peer data is read with .cg (L2, not the SM's L1): on a single-GPU simulation another
 // rank's block on the same SM may have left a stale copy of that line in L1.
 __device__ __forceinline__ uint4 ld_peer(const uint4* p) { return __ldcg(p); }
+__device__ __forceinline__ uint32_t ld_peer(const uint32_t* p) { return __ldcg(p); }
 
 __device__ __forceinline__ void spin_until(const uint32_t* flag, uint32_t want, Signal* self) {
 #ifdef FDAR_SPIN_TIMEOUT_NS
@@ -300,6 +301,42 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) me.sig->epoch[blockIdx.x] = e;
 }
 
+// Gather through the staging buffers: every rank publishes `rows` rows of `in_row`
+// units (16 or 4 bytes each, U) into its own staging buffer; after the barrier each rank
+// writes the rows of the `src_count` ranks from `src_first` on side by side: unit c of
+// rank p's row r goes to column p * in_row + c of output row r (row length out_row, which
+// may cut the last rank's columns: the vocabulary padding of a tensor-parallel LM head).
+// All-gather: src_first 0, src_count W. Broadcast: only the root publishes, src_count 1.
+// No reduction: the bytes move unchanged, so every rank's copy is identical.
+template <typename U, int W>
+__global__ void __launch_bounds__(kThreads)
+    gather_kernel(Peers P, Self me, const U* in, U* out, int64_t rows, int64_t in_row,
+                  int64_t out_row, int src_first, int src_count) {
+  const uint32_t e = me.sig->epoch[blockIdx.x] + 1;
+  Signal* peer = threadIdx.x < W ? me.sig->peer[threadIdx.x] : nullptr;
+  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const int64_t n = rows * in_row;
+  U* mine = reinterpret_cast<U*>(me.staging);
+  if (in) {
+    for (int64_t i = first; i < n; i += stride) mine[i] = in[i];
+  }
+  block_barrier<W>(me, peer, kStart, e);
+  for (int q = 0; q < src_count; ++q) {
+    const int p = src_first + q;
+    const U* s = reinterpret_cast<const U*>(P.staging[0]);
+#pragma unroll
+    for (int k = 1; k < W; ++k) s = k == p ? reinterpret_cast<const U*>(P.staging[k]) : s;  // constant-indexed Peers
+    const int64_t col0 = (int64_t)q * in_row;
+    for (int64_t i = first; i < n; i += stride) {
+      const int64_t r = i / in_row, c = col0 + i % in_row;
+      if (c < out_row) out[r * out_row + c] = ld_peer(s + i);
+    }
+  }
+  block_barrier<W>(me, peer, kEnd, e);
+  if (threadIdx.x == 0) me.sig->epoch[blockIdx.x] = e;
+}
+
 }  // namespace fdar
 
 // ---- host side (implemented in custom_all_reduce.cu) ---------------------------------
@@ -351,6 +388,8 @@ class Group {
 
   void all_reduce(const void* in, void* out, int64_t numel, int dtype, cudaStream_t stream,
                   int algo);
+  void gather(const void* in, void* out, int64_t rows, int64_t in_row_bytes, int64_t out_row_bytes,
+              int root, cudaStream_t stream);
   uint32_t device_errors(bool clear);
 
  private:

@@ -176,6 +176,14 @@ int fdar_all_reduce_ex(fdar_ctx* ctx, const void* in, void* out, int64_t numel, 
   });
 }
 
+int fdar_gather(fdar_ctx* ctx, const void* in, void* out, int64_t rows, int64_t in_row_bytes,
+                int64_t out_row_bytes, int root, void* stream) {
+  if (!ctx) return null_ctx();
+  return guarded([&] {
+    ctx->g.gather(in, out, rows, in_row_bytes, out_row_bytes, root, static_cast<cudaStream_t>(stream));
+  });
+}
+
 int fdar_device_errors(fdar_ctx* ctx, uint32_t* out, int clear) {
   if (!ctx || !out) return null_ctx();
   return guarded([&] { *out = ctx->g.device_errors(clear != 0); });

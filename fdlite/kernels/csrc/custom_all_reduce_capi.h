@@ -17,6 +17,7 @@
  *   fdar_begin_capture; capture the graph; fdar_end_capture
  *   fdar_pending_buffers -> (fdar_buffer_ipc_meta) -> exchange ->
  *   fdar_register_graph_ipc / fdar_register_graph_local     before the first replay
+ *   fdar_gather                     all-gather / broadcast through the staging buffers
  *   fdar_destroy
  * The Python listing of these signatures (custom_all_reduce.py, _SIGNATURES) is
  * checked against this header by tests/test_custom_allreduce_cpu.py.
@@ -36,7 +37,7 @@ extern "C" {
 #define FDAR_API
 #endif
 
-#define FDAR_ABI_VERSION 1
+#define FDAR_ABI_VERSION 2
 #define FDAR_IPC_HANDLE_BYTES 64
 
 /* dtypes */
@@ -121,6 +122,14 @@ FDAR_API int fdar_all_reduce(fdar_ctx* ctx, const void* in, void* out, int64_t n
                     void* stream);
 FDAR_API int fdar_all_reduce_ex(fdar_ctx* ctx, const void* in, void* out, int64_t numel, int dtype,
                        void* stream, int algo);
+
+/* Gather through the staging buffers (eager or inside a capture alike). root < 0: all-gather,
+ * every rank's `rows` rows of in_row_bytes side by side in rank order; root >= 0: broadcast,
+ * the root's rows (in may be NULL elsewhere). Output rows are out_row_bytes long, at most the
+ * gathered width: columns past it are dropped (a padded vocabulary). rows * in_row_bytes must
+ * fit fdar_max_size; rows and pointers multiples of 4 bytes (16 take the wide path). */
+FDAR_API int fdar_gather(fdar_ctx* ctx, const void* in, void* out, int64_t rows, int64_t in_row_bytes,
+                         int64_t out_row_bytes, int root, void* stream);
 
 /* Error bits left by kernels (1: graph replayed before registration; 2: spin
  * timeout). Synchronises the device. clear != 0 resets them. */

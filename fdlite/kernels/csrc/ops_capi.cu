@@ -5,11 +5,13 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cstring>
+
 #include "ops_options.h"
 
 #define FDL_API extern "C" __attribute__((visibility("default")))
 
-FDL_API int fdl_ops_abi_version(void) { return 9; }
+FDL_API int fdl_ops_abi_version(void) { return 10; }
 
 // The switches of fdlite/envs.py the kernels follow (the C++ side reads no environment): pdl = FDLITE_PDL
 // (0, 1 or 2: see fdl::Options), gemv = FDLITE_GEMV, attn_mma = FDLITE_ATTN_MMA (0 or 1). Called by
@@ -81,4 +83,33 @@ FDL_API int fdl_memcpy_h2d_many(int n, const uint64_t* t, void* stream) {
     if (e != cudaSuccess) return (int)e;
   }
   return 0;
+}
+
+// The same n copies staged through `pinned` (page-locked, pinned_bytes long, the caller's slot of a ring): each
+// source is copied there on the host (16-byte aligned pieces), the device copies read it from there, and `done` is
+// recorded after them. Why: from pageable memory the runtime may first wait for the stream to drain before it
+// stages the copy, which holds the calling thread until the GPU has finished the step before (async scheduling
+// then launches each step only after the previous one ended: measured, docs/benchmarks.md); from pinned memory
+// the call returns at once. The caller leaves `pinned` alone until `done` fired. While the stream captures a
+// graph the copies go straight from the sources (a captured copy must not read a slot later steps rewrite).
+// Returns the first CUDA error, -1 when the pieces do not fit pinned_bytes (nothing queued), 0 if fine.
+FDL_API int fdl_memcpy_h2d_many_pinned(int n, const uint64_t* t, void* stream, void* pinned, size_t pinned_bytes,
+                                       void* done) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing((cudaStream_t)stream, &cs);
+  if (e != cudaSuccess) return (int)e;
+  if (cs != cudaStreamCaptureStatusNone) return fdl_memcpy_h2d_many(n, t, stream);
+  size_t need = 0;
+  for (int i = 0; i < n; ++i) need += ((size_t)t[2 * n + i] + 15) / 16 * 16;
+  if (need > pinned_bytes) return -1;
+  char* base = static_cast<char*>(pinned);
+  size_t off = 0;
+  for (int i = 0; i < n; ++i) {
+    const size_t bytes = (size_t)t[2 * n + i];
+    std::memcpy(base + off, reinterpret_cast<const void*>(t[n + i]), bytes);
+    e = cudaMemcpyAsync(reinterpret_cast<void*>(t[i]), base + off, bytes, cudaMemcpyHostToDevice, (cudaStream_t)stream);
+    if (e != cudaSuccess) return (int)e;
+    off += (bytes + 15) / 16 * 16;
+  }
+  return (int)cudaEventRecord((cudaEvent_t)done, (cudaStream_t)stream);
 }
