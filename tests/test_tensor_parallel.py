@@ -384,7 +384,7 @@ def test_custom_all_reduce_is_wired_in_when_available(monkeypatch):
             calls.append(f"capture ends: register={register}")
             return 0
 
-        def all_reduce(self, inp, out):
+        def all_reduce(self, inp, out, stream=None):
             calls.append(("custom", inp.shape))
             paddle.assign(inp * 2, output=out)
             return out
@@ -393,6 +393,9 @@ def test_custom_all_reduce_is_wired_in_when_available(monkeypatch):
 
     # Patch the class on the real module: other tests import it, so a sys.modules stand-in would be bypassed.
     monkeypatch.setattr(custom_all_reduce, "CustomAllReduce", FakeCustomAllReduce)
+    from fdlite.kernels import gpu as gpu_ops
+
+    monkeypatch.setattr(gpu_ops, "current_stream_handle", lambda: 0)
     monkeypatch.setattr(paddle.distributed.stream, "all_reduce",
                         lambda x, use_calc_stream: calls.append(("nccl", x.shape, use_calc_stream)))
     saved = get_communicator()

@@ -46,7 +46,7 @@ class PeerPlusConstant:
         self.calls.append(("all_reduce", numel))
         _view(out, numel * 4, np.float32)[:] = 2 * _view(inp, numel * 4, np.float32) + PEER_OFFSET
 
-    def all_reduce(self, inp, out):  # the one-piece path: CustomAllReduce.all_reduce on tensors
+    def all_reduce(self, inp, out, stream=None):  # the one-piece path: CustomAllReduce.all_reduce on tensors
         self.all_reduce_ptr(inp.data_ptr(), out.data_ptr(), int(np.prod(inp.shape)), "float32", 0)
         return out
 

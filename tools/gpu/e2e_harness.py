@@ -541,28 +541,6 @@ def section_tp_rank():
                 "backend": llm.runner.comm.backend, "ranks_on_device": llm.runner.comm.ranks_on_device}
 
     device = "gpu:0" if FDL_DEVICE == "gpu" else FDL_DEVICE  # a CPU dry run: gloo, no custom library
-    opts = dict(device=device, tensor_parallel_size=2, use_cudagraph=True)
-    for fam, case in spec["families"].items():
-        t = time.time()
-        try:
-            counts.update(total=0, capturing=0)
-            llm = LLM(case["path"], **PARITY_OPTIONS, **opts)
-            captured = dict(counts)
-            outs = llm.generate([{"prompt_token_ids": p} for p in case["prompts"]],
-                                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-            st = llm.last_generate_stats
-            out["families"][fam] = {
-                "tokens": [o.outputs[0].token_ids for o in outs] if rank == 0 else [], "outputs": len(outs),
-                "steps": st.get("num_steps"), "cudagraph_replays": st.get("cudagraph_replays"),
-                "mixed_graph_replays": st.get("cudagraph_mixed_replays"), "preemptions": st.get("num_preemptions"),
-                "prefix_cache_hit_tokens": st.get("prefix_cache_hit_tokens"), "startup_order_ok": startup_order_ok(llm),
-                "all_reduces_at_startup": captured, "seconds": round(time.time() - t, 1),
-                "startup_s": round(llm.startup_report.get("total_s", 0), 2), **custom_state(llm)}
-            llm.close()
-        except Exception as e:  # noqa: BLE001 - recorded; the parent reports it
-            out["families"][fam] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-        log(f"rank {rank}", fam, {k: v for k, v in out["families"][fam].items() if k != "tokens"})
-        write()
     try:  # 1,000 decode steps, graphs against eager, at tp=2
         prompts, steps = tp_long_prompts()
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in steps]
@@ -588,6 +566,28 @@ def section_tp_rank():
         out["graphs"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
     log(f"rank {rank} graphs", out.get("graphs"))
     write()
+    opts = dict(device=device, tensor_parallel_size=2, use_cudagraph=True)
+    for fam, case in spec["families"].items():
+        t = time.time()
+        try:
+            counts.update(total=0, capturing=0)
+            llm = LLM(case["path"], **PARITY_OPTIONS, **opts)
+            captured = dict(counts)
+            outs = llm.generate([{"prompt_token_ids": p} for p in case["prompts"]],
+                                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+            st = llm.last_generate_stats
+            out["families"][fam] = {
+                "tokens": [o.outputs[0].token_ids for o in outs] if rank == 0 else [], "outputs": len(outs),
+                "steps": st.get("num_steps"), "cudagraph_replays": st.get("cudagraph_replays"),
+                "mixed_graph_replays": st.get("cudagraph_mixed_replays"), "preemptions": st.get("num_preemptions"),
+                "prefix_cache_hit_tokens": st.get("prefix_cache_hit_tokens"), "startup_order_ok": startup_order_ok(llm),
+                "all_reduces_at_startup": captured, "seconds": round(time.time() - t, 1),
+                "startup_s": round(llm.startup_report.get("total_s", 0), 2), **custom_state(llm)}
+            llm.close()
+        except Exception as e:  # noqa: BLE001 - recorded; the parent reports it
+            out["families"][fam] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        log(f"rank {rank}", fam, {k: v for k, v in out["families"][fam].items() if k != "tokens"})
+        write()
 
 
 # ---- CUDA graphs: 1,000 decode steps ------------------------------------------------------------
@@ -1042,10 +1042,17 @@ def section_latency():
     def timeline(llm):
         """Wrap the worker's prepare / execute and the engine's postprocess with wall-clock stamps (which thread
         runs each is async scheduling's business); returns (stamps, undo)."""
+        from fdlite.graph.cuda import CudaGraph  # noqa: PLC0415
+        from fdlite.runner.cudagraph_runner import CudaGraphRunner  # noqa: PLC0415
+        from fdlite.sample.sampler import Sampler  # noqa: PLC0415
+
         stamps = []
-        eng, worker = llm.engine, llm.engine.worker
+        eng, worker, runner = llm.engine, llm.engine.worker, llm.runner
         saved = [(worker, "prepare", worker.prepare), (worker, "execute", worker.execute),
-                 (eng, "_postprocess", eng._postprocess)]
+                 (eng, "_postprocess", eng._postprocess),
+                 # inside execute (the step thread): inputs written, graph launched, LM head, sampler
+                 (CudaGraphRunner, "_write", CudaGraphRunner._write), (CudaGraph, "replay", CudaGraph.replay),
+                 (runner.model, "compute_logits", runner.model.compute_logits), (Sampler, "__call__", Sampler.__call__)]
 
         def wrap(name, fn):
             def w(*a, **k):
@@ -1117,31 +1124,45 @@ def section_latency():
         return f
 
     def host_profile():
-        """Where a batch-1 step's host time goes: cProfile of a synchronous engine (every phase on this thread),
-        256 tokens, the top functions by own time (cProfile's overhead inflates all of them alike)."""
+        """Where a batch-1 step's host time goes: cProfile of an async engine, 256 tokens, the engine's thread and
+        the step thread (inside `execute`) apart, the top functions by own time (cProfile's overhead inflates all
+        of them alike)."""
         import cProfile  # noqa: PLC0415
         import io  # noqa: PLC0415
         import pstats  # noqa: PLC0415
 
         llm = LLM(path, skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=rows, block_size=bs,
                   max_model_len=prompt_len + out_len + bs, num_gpu_blocks_override=blocks, use_cudagraph=True,
-                  enable_prefix_caching=False, async_scheduling=False)
+                  enable_prefix_caching=False, async_scheduling=True)
+        main, step = cProfile.Profile(), cProfile.Profile()
+        worker = llm.engine.worker
+        execute = worker.execute
+
+        def profiled(*a, **k):
+            step.enable()
+            try:
+                return execute(*a, **k)
+            finally:
+                step.disable()
         try:
             prompt = [{"prompt_token_ids": list(range(10, 10 + prompt_len))}]
             params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=out_len)
             llm.generate(prompt, params, use_tqdm=False)
-            prof = cProfile.Profile()
-            prof.enable()
+            worker.execute = profiled
+            main.enable()
             llm.generate(prompt, params, use_tqdm=False)
-            prof.disable()
+            main.disable()
         finally:
+            worker.execute = execute
             llm.close()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
-        text = buf.getvalue()
+        text = ""
+        for name, prof in (("engine thread", main), ("step thread (execute)", step)):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+            text += f"==== {name}\n" + buf.getvalue()
         with open(os.path.join(ARGS.out, "latency_host_profile.txt"), "w") as f:
             f.write(text)
-        return {"top": text.splitlines()[:70]}
+        return {"top": text.splitlines()[:90]}
 
     run("decode_latency_sync", case(False))
     run("decode_latency_async", case(True))

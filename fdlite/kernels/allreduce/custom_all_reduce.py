@@ -307,7 +307,9 @@ def current_stream(x) -> int:
     if mod == "paddle":
         import paddle
 
-        return int(paddle.device.current_stream().cuda_stream)
+        stream = paddle.device.current_stream()
+        # Paddle 3.x has `cuda_stream` on the stream; 2.6 only on its `stream_base`.
+        return int(getattr(stream, "cuda_stream", None) or stream.stream_base.cuda_stream)
     raise TypeError(f"no stream for {type(x)!r}")
 
 
