@@ -75,6 +75,11 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fdl_memcpy_d2h_async": (_int, [_vp, _vp, _size, _vp, _vp]),
     "fdl_event_synchronize": (_int, [_vp]),
 }
+# Entry points that queue work or read a flag and return in microseconds: called holding the GIL (native.py). The
+# others block (event waits, synchronous copies) and let the engine's other thread run meanwhile.
+CAPI_KEEP_GIL = frozenset({"fdl_ops_abi_version", "fdl_set_options", "fdl_event_create", "fdl_event_record",
+                           "fdl_event_destroy", "fdl_memcpy_h2d_async", "fdl_memcpy_h2d_many",
+                           "fdl_memcpy_h2d_many_pinned", "fdl_memcpy_d2h_async"})
 ABI_VERSION = 10  # fdl_ops_abi_version() of the sources this module speaks to (7: MoE ops; 8: fdl_add_; 9: FP8 KV;
 #                  10: fdl_memcpy_h2d_many_pinned)
 
@@ -89,7 +94,7 @@ def load(path: str | None = None) -> str:
 
             path = build.build()
         try:
-            capi = native.load_ctypes(path, CAPI_SIGNATURES)
+            capi = native.load_ctypes(path, CAPI_SIGNATURES, CAPI_KEEP_GIL)
         except AttributeError as e:
             raise GpuOpsError(f"{path} is older than fdlite/kernels/gpu.py ({e}): rebuild it") from None
         if capi.fdl_ops_abi_version() != ABI_VERSION:
@@ -130,6 +135,13 @@ def capi() -> ctypes.CDLL:
 
 
 # ------------------------------------------------------------------ checks
+try:  # True while SOT translates the caller (Paddle's own marker), False when it runs
+    from paddle.jit.sot.psdb import in_sot as _in_sot
+except ImportError:  # a Paddle without SOT
+    def _in_sot() -> bool:
+        return False
+
+
 def _dtype(t) -> str:
     d = t.dtype
     name = _dtype_names.get(d)
@@ -139,7 +151,7 @@ def _dtype(t) -> str:
 
 
 def _check(t, name: str, dtypes=None, ndim: int | None = None) -> None:
-    if not _checks:
+    if not _checks or _in_sot():  # SOT simulates tensors: their place is not a value it can give
         return
     if not t.place.is_gpu_place():
         raise GpuOpsError(f"{name} must be on the GPU, got {t.place}")

@@ -190,16 +190,24 @@ def run(cmd: list[str], verbose: bool = False, tail: int | None = None) -> str:
 
 
 # ------------------------------------------------------------------ loading
-def load_ctypes(path: str, signatures: dict[str, tuple[object, list[object] | None]] | None = None) -> ctypes.CDLL:
+def load_ctypes(path: str, signatures: dict[str, tuple[object, list[object] | None]] | None = None,
+                keep_gil: frozenset[str] = frozenset()) -> ctypes.CDLL:
     """The library at `path` through ctypes, with `signatures` (name -> (restype, argtypes)) set.
+
+    The functions named in `keep_gil` are called without releasing the GIL (a `ctypes.PyDLL` handle): for calls
+    that never block and return in microseconds, where giving the GIL up costs more than the call, since getting it
+    back may wait for another thread's Python work (the engine's two threads under async scheduling).
 
     OSError: not a loadable library; AttributeError: a symbol of `signatures` is missing (an older build)."""
     lib = ctypes.CDLL(path)
+    held = ctypes.PyDLL(path) if keep_gil else None
     for name, (res, args) in (signatures or {}).items():
-        fn = getattr(lib, name)
+        fn = getattr(held if name in keep_gil else lib, name)
         fn.restype = res
         if args is not None:
             fn.argtypes = args
+        if name in keep_gil:
+            setattr(lib, name, fn)
     return lib
 
 

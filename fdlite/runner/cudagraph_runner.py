@@ -116,6 +116,11 @@ class CudaGraphRunner:
                 self.verify(size, tolerance)
         logger.info("captured %d %s CUDA graphs: sizes %s", len(self.graphs), self.kind, self.sizes)
 
+    def verify_all(self, tolerance: float = 1e-4) -> None:
+        """`verify` every captured size, largest first (the engine calls it once the capture context has exited)."""
+        for size in sorted(self.graphs, reverse=True):
+            self.verify(size, tolerance)
+
     def verify(self, size: int, tolerance: float) -> None:
         """Replay the graph of `size` on new inputs (another split) and compare with the eager forward."""
         batch = self.dummy_batch(size, seed=10_000 + size, worst_case=False)

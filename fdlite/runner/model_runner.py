@@ -18,6 +18,7 @@ import logging
 import numpy as np
 import paddle
 
+from fdlite.kernels.no_grad import no_grad
 from fdlite.config import EngineConfig
 from fdlite.distributed.lockstep import share_sampled_tokens
 from fdlite.distributed.parallel_state import init_tensor_parallel
@@ -294,7 +295,13 @@ class ModelRunner:
         if self.graph_runners:
             with capture_custom_allreduce(recorder), recorder.phase("cudagraph_capture"):
                 for runner in self.graph_runners:
-                    runner.capture_all(recorder, verify=g.verify_cudagraph)
+                    runner.capture_all(recorder, verify=False)
+            if g.verify_cudagraph:
+                # After the context: the custom all-reduce registers the buffers the graphs captured as it exits, and
+                # a graph replayed before that moves no data (its kernels flag the replay instead).
+                with recorder.phase("cudagraph_verify"):
+                    for runner in self.graph_runners:
+                        runner.verify_all()
         if g.graph_opt_level >= 1:
             # Batches that run eagerly (mixed, or above the largest graph) translate here, after capture.
             with recorder.phase("sot_warmup"):
@@ -315,7 +322,7 @@ class ModelRunner:
             self.forward(batch, use_graphs=False)
         recorder.point("sot_translate", count=translation_count() - before)
 
-    @paddle.no_grad()
+    @no_grad
     def forward(self, flat: FlatBatch, use_graphs: bool = True) -> paddle.Tensor | None:
         """Logits of the rows that sample (None when none does)."""
         hidden, logits_indices = self.forward_hidden(flat, use_graphs)
@@ -323,7 +330,7 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden, logits_indices)
 
-    @paddle.no_grad()
+    @no_grad
     def forward_hidden(self, flat: FlatBatch, use_graphs: bool = True, patch=None) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Hidden states of the flat batch (graph replay when its padded size was captured) and the device
         indices of its sampling rows. `patch`: (TokenPatch, ids) applied to the input ids once written."""
@@ -334,7 +341,7 @@ class ModelRunner:
         ids, positions, meta, logits_indices = self.buffers.write(flat, self.kv_cache.caches, patch)
         return self.model(ids, positions, meta), logits_indices
 
-    @paddle.no_grad()
+    @no_grad
     def prompt_logprobs(self, hidden: paddle.Tensor, req: PromptLogprobsInputs) -> list | None:
         """Logprobs of the prompt positions `req` names, max_num_seqs rows of logits at a time (the size of a
         decode step's logits, which profiling measured). Every rank computes the logits (the vocabulary gather
@@ -352,7 +359,7 @@ class ModelRunner:
         bounds = np.cumsum([0, *req.counts])
         return [(seq, whole.slice(int(a), int(b))) for seq, a, b in zip(req.seqs, bounds[:-1], bounds[1:])]
 
-    @paddle.no_grad()
+    @no_grad
     def execute(self, step: StepInputs) -> SamplerOutput | None:
         """Run one step: forward, then (rank 0) sample; every rank gets rank 0's tokens.
 

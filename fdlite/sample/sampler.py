@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
+from fdlite.kernels.no_grad import no_grad
 from fdlite.kernels.custom_op import dispatch_forward
 from fdlite.threads import shutdown_pool
 from fdlite.sample.logprobs import LogprobsTensors, compute_logprobs
@@ -180,7 +181,7 @@ class Sampler:
         self.defer_host_copy = False
         self._forward = dispatch_forward(self)  # the plain function, called with self (custom_op.py: no cycle)
 
-    @paddle.no_grad()
+    @no_grad
     def __call__(self, logits: paddle.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row; see the module docstring for the order of operations."""
         return self._forward(self, logits, batch)

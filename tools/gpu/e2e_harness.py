@@ -1134,7 +1134,7 @@ def section_latency():
         llm = LLM(path, skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=rows, block_size=bs,
                   max_model_len=prompt_len + out_len + bs, num_gpu_blocks_override=blocks, use_cudagraph=True,
                   enable_prefix_caching=False, async_scheduling=True)
-        main, step = cProfile.Profile(), cProfile.Profile()
+        main, step = cProfile.Profile(), cProfile.Profile()  # one thread at a time (Python 3.12 allows one profiler)
         worker = llm.engine.worker
         execute = worker.execute
 
@@ -1149,6 +1149,8 @@ def section_latency():
             params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=out_len)
             llm.generate(prompt, params, use_tqdm=False)
             worker.execute = profiled
+            llm.generate(prompt, params, use_tqdm=False)
+            worker.execute = execute
             main.enable()
             llm.generate(prompt, params, use_tqdm=False)
             main.disable()
@@ -1164,9 +1166,59 @@ def section_latency():
             f.write(text)
         return {"top": text.splitlines()[:90]}
 
+    def host_micro():
+        """Microseconds per call of the host operations a GPU step makes, on Paddle 2.6 and this machine's CPU."""
+        import timeit  # noqa: PLC0415
+
+        import paddle  # noqa: PLC0415
+
+        from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
+        from fdlite.kernels.no_grad import no_grad  # noqa: PLC0415
+
+        gpu_ops.load()
+        t = paddle.empty([1, 151936], dtype="float32")
+        gpu_ops.fill_(t, 0.5)
+        h = np.zeros(64, np.int64)
+        d = paddle.empty([64], dtype="int64")
+
+        @paddle.no_grad()
+        def decorated(x):
+            return x
+
+        @no_grad
+        def ours(x):
+            return x
+        stmts = {"t.place.is_gpu_place()": lambda: t.place.is_gpu_place(), "t.is_contiguous()": t.is_contiguous,
+                 "t.dtype": lambda: t.dtype, "t.shape": lambda: t.shape, "t.data_ptr()": t.data_ptr,
+                 "paddle.empty([64]) on GPU": lambda: paddle.empty([64], dtype="int64"), "t[:1]": lambda: t[:1],
+                 "@paddle.no_grad() call": lambda: decorated(1), "fdlite no_grad call": lambda: ours(1),
+                 "gpu.argmax (checks on)": lambda: gpu_ops.argmax(t),
+                 "_run fdl_argmax (no checks)": lambda: gpu_ops._run("fdl_argmax", t),
+                 "current_stream_handle()": gpu_ops.current_stream_handle,
+                 "copy_from_host 512 B": lambda: gpu_ops.copy_from_host(d, h)}
+        out = {}
+        for name, fn in stmts.items():
+            fn()
+            n = 2000
+            out[name] = round(min(timeit.repeat(fn, number=n, repeat=3)) / n * 1e6, 2)
+        paddle.device.cuda.synchronize()
+        return {"us_per_call": out}
+
+    def default_switch_interval():
+        """Async as above with Python's default 5 ms GIL switch interval (fdlite lowers it while generating)."""
+        import fdlite.threads as threads  # noqa: PLC0415
+
+        saved, threads.ASYNC_SWITCH_INTERVAL_S = threads.ASYNC_SWITCH_INTERVAL_S, 5e-3
+        try:
+            return case(True)()
+        finally:
+            threads.ASYNC_SWITCH_INTERVAL_S = saved
+
     run("decode_latency_sync", case(False))
     run("decode_latency_async", case(True))
+    run("decode_latency_async_5ms_switch_interval", default_switch_interval)
     if os.environ.get("FDLITE_E2E_HOST_PROFILE"):
+        run("decode_latency_host_micro", host_micro)
         run("decode_latency_host_profile", host_profile)
     a, s_ = RES["results"].get("decode_latency_async"), RES["results"].get("decode_latency_sync")
     if a and s_:
