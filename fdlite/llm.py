@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from fdlite.threads import async_switch_interval
 from fdlite.config import EngineConfig, parse_device
 from fdlite.default_model import RANDOM_WEIGHTS_NOTE, default_model_path
 from fdlite.distributed.lockstep import check_same_requests, requests_digest
@@ -427,19 +426,18 @@ class LLM:
         progress = Progress(total=len(live), enabled=use_tqdm and driver)
         before, t0 = engine.stats(), time.perf_counter()
         try:
-            with async_switch_interval(engine.config.async_scheduling):
-                while engine.has_unfinished():
-                    self._check_open()
-                    finished, _ = engine.step()
-                    for seq in finished:
-                        progress.add_tokens(0, len(seq.output_token_ids))
-                        remaining[seq.request_index] -= 1
-                        if remaining[seq.request_index] == 0:
-                            progress.request_done(seq.num_prompt_tokens)
-                            out, seqs = requests[seq.request_index]
-                            self._finish(out, seqs)
-                            if driver:
-                                yield seq.request_index, out
+            while engine.has_unfinished():
+                self._check_open()
+                finished, _ = engine.step()
+                for seq in finished:
+                    progress.add_tokens(0, len(seq.output_token_ids))
+                    remaining[seq.request_index] -= 1
+                    if remaining[seq.request_index] == 0:
+                        progress.request_done(seq.num_prompt_tokens)
+                        out, seqs = requests[seq.request_index]
+                        self._finish(out, seqs)
+                        if driver:
+                            yield seq.request_index, out
         finally:
             progress.close()
             if not self.closed:  # closed mid-iteration: nothing left to free or count

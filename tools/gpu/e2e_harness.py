@@ -1204,19 +1204,8 @@ def section_latency():
         paddle.device.cuda.synchronize()
         return {"us_per_call": out}
 
-    def default_switch_interval():
-        """Async as above with Python's default 5 ms GIL switch interval (fdlite lowers it while generating)."""
-        import fdlite.threads as threads  # noqa: PLC0415
-
-        saved, threads.ASYNC_SWITCH_INTERVAL_S = threads.ASYNC_SWITCH_INTERVAL_S, 5e-3
-        try:
-            return case(True)()
-        finally:
-            threads.ASYNC_SWITCH_INTERVAL_S = saved
-
     run("decode_latency_sync", case(False))
     run("decode_latency_async", case(True))
-    run("decode_latency_async_5ms_switch_interval", default_switch_interval)
     if os.environ.get("FDLITE_E2E_HOST_PROFILE"):
         run("decode_latency_host_micro", host_micro)
         run("decode_latency_host_profile", host_profile)
