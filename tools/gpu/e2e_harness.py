@@ -500,6 +500,29 @@ def section_tp():
         return {**g, "pass": bool(g["identical"] and g["cudagraph_replays"] >= 990 and not g.get("device_errors"))}
     run("tp2_graphs_1000_decode_steps", graphs)
 
+    def through_the_launcher():
+        """The same ranks started the way a user starts them, `python -m paddle.distributed.launch --devices 0,0`
+        (both on GPU 0), on the first family's job alone: its tokens against the ranks above."""
+        fam = fams[0]
+        out = os.path.join(ARGS.out, "launch")
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "tp_spec.json"), "w") as f:
+            json.dump({"families": {fam: spec["families"][fam]}, "skip_graphs": True}, f)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--devices", "0,0", "--log_dir",
+               os.path.join(out, "log"), __file__, "tp_rank", "--out", out, "--models", ARGS.models]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        got = json.load(open(os.path.join(out, "tp_rank0.json"))) if os.path.exists(
+            os.path.join(out, "tp_rank0.json")) else {}
+        tokens = got.get("families", {}).get(fam, {}).get("tokens")
+        res = {"family": fam, "launcher_rc": p.returncode, "launcher_tail": (p.stdout + p.stderr)[-1500:],
+               "same_tokens_as_the_ranks_above": tokens is not None and tokens == r0["families"][fam]["tokens"],
+               "error": got.get("families", {}).get(fam, {}).get("error")}
+        res["pass"] = bool(res["same_tokens_as_the_ranks_above"])
+        return res
+    if os.environ.get("FDLITE_TP_LAUNCH_CHECK"):
+        run("tp2_through_paddle_distributed_launch", through_the_launcher)
+
 
 def section_tp_rank():
     """One rank of `section_tp` (started by it, with the launcher's environment variables)."""
@@ -542,6 +565,8 @@ def section_tp_rank():
 
     device = "gpu:0" if FDL_DEVICE == "gpu" else FDL_DEVICE  # a CPU dry run: gloo, no custom library
     try:  # 1,000 decode steps, graphs against eager, at tp=2
+        if spec.get("skip_graphs"):
+            raise RuntimeError("skipped (the launcher check runs the first family's job only)")
         prompts, steps = tp_long_prompts()
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in steps]
         path = small_model("qwen3")

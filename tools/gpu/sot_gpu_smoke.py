@@ -77,9 +77,12 @@ def fdlite_op_names() -> set[str]:
     return names
 
 
+_SEEN_PROGRAMS: set[int] = set()  # compiled programs already counted (the probe's, earlier runs')
+
+
 def translated_op_types() -> tuple[int, Counter]:
-    """(programs, op type counts) of every static program SOT compiled in this process (Paddle 2.6's legacy
-    Program; PIR's in Paddle 3)."""
+    """(programs, op type counts) of the static programs SOT compiled in this process since the last call
+    (Paddle 2.6's legacy Program; PIR's in Paddle 3)."""
     from paddle.jit.sot.symbolic.compile_cache import FallbackWrapper  # noqa: PLC0415
 
     ops: Counter = Counter()
@@ -87,6 +90,9 @@ def translated_op_types() -> tuple[int, Counter]:
     for w in gc.get_objects():
         if not isinstance(w, FallbackWrapper) or getattr(w, "concrete_program", None) is None:
             continue
+        if id(w) in _SEEN_PROGRAMS:
+            continue
+        _SEEN_PROGRAMS.add(id(w))
         prog = w.concrete_program.main_program
         programs += 1
         for block in getattr(prog, "blocks", None) or [prog.global_block()]:
@@ -181,44 +187,66 @@ def prompts() -> list[list[int]]:
     return [rng.integers(3, 1024, size=int(k)).tolist() for k in (5, 40, 100, 17, 64, 250)]
 
 
-def one_run(name: str, level: int, cudagraph: bool, path: str, want: list | None) -> list | None:
-    from fdlite import LLM, SamplingParams  # noqa: PLC0415
-    from fdlite.graph.static_graph import translation_count  # noqa: PLC0415
+def one_run(name: str, level: int, cudagraph: bool, path: str, want: list | None,
+            min_graph_size: int | None = None) -> list | None:
+    """One engine: its greedy tokens, SOT's translations (those inside CUDA-graph capture apart) and the op types
+    of the programs it compiled. `min_graph_size`: SOT's MIN_GRAPH_SIZE for this run (its default, 10, runs smaller
+    translated pieces eagerly, so none of them shows as a program)."""
+    import contextlib  # noqa: PLC0415
 
     log("==", name)
-    t = time.time()
+    guard = contextlib.nullcontext()
+    if min_graph_size is not None:
+        from paddle.jit.sot.utils import min_graph_size_guard  # noqa: PLC0415
+
+        guard = min_graph_size_guard(min_graph_size)
     try:
-        before = translation_count()
-        llm = LLM(path, load_format="dummy", device=ARGS.device, dtype="float32", skip_tokenizer_init=True,
-                  max_num_seqs=8, block_size=16, max_model_len=512, max_num_batched_tokens=256,
-                  kv_cache_memory_bytes=64 << 20, num_gpu_blocks_override=256 if ARGS.device == "gpu" else None,
-                  graph_optimization_config={"graph_opt_level": level, "use_cudagraph": cudagraph})
-        at_init = translation_count() - before
-        params = SamplingParams(temperature=0, max_tokens=ARGS.max_tokens, ignore_eos=True)
-        with Sentinel(ARGS.device == "gpu" and not ARGS.no_sentinel):
-            got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], params,
-                                                                 use_tqdm=False)]
-        st = llm.last_generate_stats
-        res = {"graph_opt_level": level, "use_cudagraph": cudagraph, "sot_translations_at_init": at_init,
-               "sot_translations_total": translation_count() - before, "tokens": sum(map(len, got)),
-               "steps": st.get("num_steps"), "cudagraph_replays": st.get("cudagraph_replays"),
-               "seconds": round(time.time() - t, 2)}
-        if want is not None:
-            res["identical_to_level0_eager"] = got == want
-            res["first_diff"] = next(([i, a[:8], b[:8]] for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        if level >= 1:
-            programs, ops = translated_op_types()
-            res["translated_programs"] = programs
-            res["translated_ops"] = classify(ops)
-        RES["results"][name] = res
-        log("  ->", json.dumps(res, default=str)[:1500])
-        del llm
-        gc.collect()
-        save()
-        return got
+        with guard:
+            return _run_engine(name, level, cudagraph, path, want, min_graph_size)
     except Exception as e:  # noqa: BLE001 - recorded with its trace, the next run goes on
         fail(name, e)
         return None
+
+
+def _run_engine(name: str, level: int, cudagraph: bool, path: str, want: list | None, min_graph_size) -> list:
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+    from fdlite.graph.static_graph import translation_count  # noqa: PLC0415
+
+    t = time.time()
+    before = translation_count()
+    llm = LLM(path, load_format="dummy", device=ARGS.device, dtype="float32", skip_tokenizer_init=True,
+              max_num_seqs=8, block_size=16, max_model_len=512, max_num_batched_tokens=256,
+              kv_cache_memory_bytes=64 << 20, num_gpu_blocks_override=256 if ARGS.device == "gpu" else None,
+              graph_optimization_config={"graph_opt_level": level, "use_cudagraph": cudagraph})
+    at_init = translation_count() - before
+    params = SamplingParams(temperature=0, max_tokens=ARGS.max_tokens, ignore_eos=True)
+    with Sentinel(ARGS.device == "gpu" and not ARGS.no_sentinel):
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], params,
+                                                             use_tqdm=False)]
+    st = llm.last_generate_stats
+    ph = llm.phases
+    inside = None
+    if any(e.name == "cudagraph_capture" for e in ph.events):
+        inside = (ph.probe_at("end", "cudagraph_capture", "sot_translations")
+                  - ph.probe_at("begin", "cudagraph_capture", "sot_translations"))
+    res = {"graph_opt_level": level, "use_cudagraph": cudagraph, "min_graph_size": min_graph_size,
+           "sot_translations_at_init": at_init, "sot_translations_inside_capture": inside,
+           "sot_translations_total": translation_count() - before, "tokens": sum(map(len, got)),
+           "steps": st.get("num_steps"), "cudagraph_replays": st.get("cudagraph_replays"),
+           "seconds": round(time.time() - t, 2)}
+    if want is not None:
+        res["identical_to_level0_eager"] = got == want
+        res["first_diff"] = next(([i, a[:8], b[:8]] for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if level >= 1:
+        programs, ops = translated_op_types()
+        res["translated_programs"] = programs
+        res["translated_ops"] = classify(ops)
+    RES["results"][name] = res
+    log("  ->", json.dumps(res, default=str)[:1500])
+    del llm
+    gc.collect()
+    save()
+    return got
 
 
 def main() -> int:
@@ -253,15 +281,20 @@ def main() -> int:
     want = one_run("level0_eager", 0, False, path, None)
     if want is None:
         return 1
-    runs = [("level1_eager", 1, False)]
-    if ARGS.device == "gpu":
-        runs += [("level0_cudagraph", 0, True), ("level1_cudagraph", 1, True)]
-    for name, level, graphs in runs:
-        one_run(name, level, graphs, path, want)
+    # The first SOT engine translates (later ones reuse its code cache): on the GPU it is the one with graphs, so that
+    # its translations happen inside capture, as the startup order wants; the last forces every piece into a program.
+    runs = [("level0_cudagraph", 0, True, None), ("level1_cudagraph", 1, True, None), ("level1_eager", 1, False, None),
+            ("level1_cudagraph_min_graph_size_0", 1, True, 0)] if ARGS.device == "gpu" else [
+        ("level1_eager", 1, False, None)]
+    for name, level, graphs, min_size in runs:
+        one_run(name, level, graphs, path, want, min_size)
     r = RES["results"]
+    first_sot = next(k for k, *_ in runs if k.startswith("level1"))
     checks = {
         "tokens_identical": all(v.get("identical_to_level0_eager") for k, v in r.items() if k != "level0_eager"),
-        "sot_translated": all(v.get("sot_translations_total", 0) > 0 for k, v in r.items() if k.startswith("level1")),
+        "sot_translated": r.get(first_sot, {}).get("sot_translations_total", 0) > 0,
+        "sot_inside_capture": ARGS.device != "gpu" or (r.get(first_sot, {}).get("sot_translations_inside_capture")
+                                                       or 0) > 0,
         "no_builtin_compute_in_translated_programs": all(not v["translated_ops"]["builtin_compute"]
                                                          for k, v in r.items() if "translated_ops" in v),
         "sot_probe": bool(RES["sot_probe"]["correct"] and RES["sot_probe"]["translations"] > 0),
