@@ -197,7 +197,9 @@ def test_startup_order_sot_inside_capture_inside_allreduce_context(graph_llm):
     order = [ph.index("end", "load_weights"), ph.index("end", "profile_run"), ph.index("end", "kv_cache"),
              ph.index("begin", "capture_custom_allreduce"), ph.index("begin", "cudagraph_capture"),
              ph.index("point", "sot_translate"), ph.index("point", "cudagraph_captured"),
-             ph.index("end", "cudagraph_capture"), ph.index("end", "capture_custom_allreduce")]
+             ph.index("end", "cudagraph_capture"), ph.index("end", "capture_custom_allreduce"),
+             # the self-check replays after the context: the custom all-reduce registers the graphs' buffers as it exits
+             ph.index("begin", "cudagraph_verify")]
     assert order == sorted(order)
     # No SOT translation before capture began, read from SOT's own counter at each phase's start
     # (not from the "sot_translate" points, which the capture code emits itself).

@@ -691,6 +691,68 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "gather-pieces-wrong-input-offset",
+        "The logits' vocabulary all-gather on a GPU reads each piece of rows at the output's row stride instead of "
+        "the input's (every piece after the first gathers the wrong rows)",
+        (Edit("fdlite/distributed/communicator.py",
+              "            self.custom.gather_ptr(x.data_ptr() + start * row_in, out.data_ptr() + start * row_out, n, row_in,\n",
+              "            self.custom.gather_ptr(x.data_ptr() + start * row_out, out.data_ptr() + start * row_out, n, row_in,  # MUTATION\n"),),
+        ("tests/test_tp_gpu_collectives.py",),
+        "new",
+    ),
+    Mutation(
+        "all-reduce-pieces-drop-the-tail",
+        "Ranks sharing a GPU all-reduce a message above the custom buffer in whole pieces only (the last, shorter "
+        "piece is never reduced)",
+        (Edit("fdlite/distributed/communicator.py",
+              "            n = min(piece, nbytes - start)\n",
+              "            n = piece if nbytes - start >= piece else 0  # MUTATION\n            if not n:\n                break\n"),),
+        ("tests/test_tp_gpu_collectives.py",),
+        "new",
+    ),
+    Mutation(
+        "pinned-slot-reused-before-its-copies-ran",
+        "A pinned upload slot is rewritten without waiting for the event of the copies that last read it",
+        (Edit("fdlite/kernels/gpu.py",
+              "                lib.fdl_event_synchronize(slot[2])  # the copies that last read this slot have run\n",
+              "                pass  # MUTATION\n"),),
+        ("tests/test_gpu_ops_cpu.py",),
+        "new",
+    ),
+    Mutation(
+        "graphs-verified-inside-the-capture-context",
+        "The CUDA graphs' self-check replays them inside capture_custom_allreduce(), before the custom all-reduce "
+        "registered their buffers (on the GPU every tensor-parallel engine then fails its startup check)",
+        (Edit("fdlite/runner/model_runner.py",
+              "                    runner.capture_all(recorder, verify=False)\n",
+              "                    runner.capture_all(recorder, verify=g.verify_cudagraph)  # MUTATION\n"),
+         Edit("fdlite/runner/model_runner.py",
+              "            if g.verify_cudagraph:\n                # After the context",
+              "            if False:  # MUTATION\n                # After the context"),),
+        (f"{GRAPH}::test_startup_order_sot_inside_capture_inside_allreduce_context",),
+        "new",
+    ),
+    Mutation(
+        "pinned-gpu-ranks-use-nccl",
+        "Ranks that name their GPU (device='gpu:0', possibly sharing it) get an NCCL group, which refuses two ranks on "
+        "one device",
+        (Edit("fdlite/distributed/parallel_state.py",
+              '    return "gloo" if device == "cpu" or pinned_gpu else "nccl"\n',
+              '    return "gloo" if device == "cpu" else "nccl"  # MUTATION\n'),),
+        ("tests/test_tp_gpu_collectives.py::test_control_backend",),
+        "new",
+    ),
+    Mutation(
+        "device-broadcast-ids-stay-on-host",
+        "A tensor-parallel rank > 0 on the GPU keeps the broadcast ids on the host only (the next step's input patch "
+        "then has no device ids to read)",
+        (Edit("fdlite/distributed/lockstep.py",
+              "    return SamplerOutput(token_ids=gpu_ops.to_host(ids).tolist(), device_tokens=ids)",
+              "    return SamplerOutput(token_ids=gpu_ops.to_host(ids).tolist())  # MUTATION"),),
+        ("tests/test_tp_gpu_collectives.py::test_sampled_ids_are_broadcast_on_the_device",),
+        "new",
+    ),
+    Mutation(
         "machine-path-in-docs",
         "A machine's absolute path written into the docs",
         (Edit("docs/design.md", "# fdlite design notes\n", "# fdlite design notes\n\nBuilt in /" "root/work/fdlite.\n"),),  # (split: this file is checked too)
