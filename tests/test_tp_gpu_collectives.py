@@ -17,7 +17,7 @@ import pytest
 
 from fdlite.config import EngineConfig
 from fdlite.distributed import communicator as comm_mod
-from fdlite.distributed.communicator import Communicator
+from fdlite.distributed.communicator import Communicator, custom_max_bytes
 from fdlite.distributed.lockstep import share_sampled_tokens
 from fdlite.distributed.parallel_state import ParallelState, control_backend
 from fdlite.kernels import gpu as gpu_ops
@@ -160,3 +160,23 @@ def test_host_collectives_of_gpu_ranks_on_gloo_use_cpu_tensors(make_comm, monkey
     assert comm.reduce_int(3, "min") == 3
     assert places[1] == ("all_reduce", True) and places[-1] == "the GPU place"
     assert isinstance(places[0], paddle.CPUPlace)
+
+
+def test_custom_or_nccl_by_measured_message_size():
+    """Ranks on distinct GPUs (NCCL there too) measure both at startup and keep the custom kernel up to the largest
+    size where it is not slower."""
+    sizes = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    assert custom_max_bytes(sizes, [5, 9, 20, 70], [20, 22, 25, 60]) == 1 << 20
+    assert custom_max_bytes(sizes, [5, 9, 20, 50], [20, 22, 25, 60]) == 4 << 20
+    assert custom_max_bytes(sizes, [30, 9, 20, 50], [20, 22, 25, 60]) == 0  # slower at once: NCCL for everything
+
+
+def test_measured_limit_sends_larger_messages_to_nccl(make_comm, monkeypatch):
+    comm = make_comm(max_size=4096, backend="nccl")
+    comm.custom_only = False
+    comm.custom_max_bytes = 256
+    sent = []
+    monkeypatch.setattr(paddle.distributed.stream, "all_reduce", lambda x, use_calc_stream, **k: sent.append(x.shape))
+    comm.all_reduce(paddle.ones([4, 16]))  # 256 bytes: custom
+    comm.all_reduce(paddle.ones([4, 32]))  # 512 bytes: measured slower there, NCCL
+    assert comm.custom.calls == [("all_reduce", 64)] and sent == [[4, 32]]

@@ -7,7 +7,8 @@ like attention: `graph/graph_break.py`), and there is one tensor-parallel group 
 
 `enable_custom_all_reduce` (FastDeploy's option, on by default on a GPU) uses
 `custom_all_reduce.CustomAllReduce` (fdlite's CUDA all-reduce, fdlite/kernels/csrc) for messages it accepts
-(`should_use`), NCCL for the rest. When that module or its CUDA library is missing, or the device is a
+(`should_use`) up to the size where it stops beating NCCL (timed at startup, `custom_max_bytes`), NCCL for the
+rest. When that module or its CUDA library is missing, or the device is a
 CPU, one log line says so and everything goes through `paddle.distributed`. All ranks agree on the
 choice (an all-reduce of each rank's answer) before any layer runs: a rank on the custom path and one
 on NCCL would wait on each other forever.
@@ -51,6 +52,7 @@ class Communicator:
         # None (the default): on where there is something to reduce on a GPU, and silent where there is not.
         asked = enable_custom_all_reduce is True
         wanted = asked or (enable_custom_all_reduce is None and device == "gpu" and state.world_size > 1)
+        self.custom_max_bytes = None  # largest message for the custom kernel when NCCL is there too (measured)
         self.custom = self._start_custom_all_reduce(loud=asked) if wanted else None
         if self.custom_only and self.custom is None:
             raise RuntimeError("tensor-parallel ranks in a gloo group (device='gpu:N' in every process) need fdlite's "
@@ -132,9 +134,38 @@ class Communicator:
         if self.custom_only:
             logger.info("custom all-reduce on for every message (no NCCL in a gloo group: larger ones than its %d-byte "
                         "buffer go in pieces)", custom.max_size)
+        elif self.device == "gpu" and self.world_size > 1:
+            self.custom_max_bytes = self._measure_custom_max_bytes(custom)
         else:
             logger.info("custom all-reduce on (messages up to %d bytes; larger ones use NCCL)", custom.max_size)
         return custom
+
+    def _measure_custom_max_bytes(self, custom) -> int:
+        """Time the custom kernel and NCCL on bf16 messages of `MEASURED_SIZES` bytes (each the median of a few
+        calls, the slowest rank's) and return the largest size up to which the custom one is not slower; one log
+        line with the numbers. Ranks on distinct GPUs only (where both run), once per engine."""
+        import paddle.distributed as dist  # noqa: PLC0415
+
+        from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
+
+        sizes = [n for n in MEASURED_SIZES if custom.should_use(n)]
+        group = {"group": self.group} if self.group is not None else {}
+        x = paddle.empty([max(sizes) // 2], dtype="bfloat16")
+        gpu_ops.fill_(x, 0.0)
+
+        def timed(call, n: int) -> float:
+            view = x[: n // 2]
+            return _median_us(lambda: call(view), gpu_ops)
+
+        ours = [timed(lambda v: custom.all_reduce(v, paddle.empty_like(v), stream=gpu_ops.current_stream_handle()), n)
+                for n in sizes]
+        nccl = [timed(lambda v: dist.stream.all_reduce(v, use_calc_stream=True, **group), n) for n in sizes]
+        slowest = [self.reduce_int(int(t * 1000), "max") / 1000 for t in ours + nccl]
+        ours, nccl = slowest[: len(sizes)], slowest[len(sizes):]
+        limit = custom_max_bytes(sizes, ours, nccl)
+        logger.info("custom all-reduce on for messages up to %d bytes, NCCL above (measured, us, custom vs NCCL: %s)",
+                    limit, ", ".join(f"{n >> 10} KiB {a:.1f} vs {b:.1f}" for n, a, b in zip(sizes, ours, nccl)))
+        return limit
 
     def _custom_all_reduce_problem(self) -> str | None:
         if self.device != "gpu":
@@ -161,7 +192,8 @@ class Communicator:
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """Sum of `x` over the ranks (in place on the NCCL/gloo path)."""
         nbytes = math.prod(x.shape) * x.element_size()
-        if self.custom is not None and self.custom.should_use(nbytes):
+        if self.custom is not None and self.custom.should_use(nbytes) and (
+                self.custom_max_bytes is None or nbytes <= self.custom_max_bytes):
             from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
 
             # Out of place: inside a CUDA-graph capture the kernel then reads `x` where it lies.
@@ -267,6 +299,42 @@ class Communicator:
         with self._host_tensors():
             dist.all_gather_object(out, blob, group=self.group)
         return list(out)
+
+
+# ---- the custom kernel or NCCL, by message size ------------------------------------------------------------
+
+MEASURED_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)  # bytes: decode steps to large prefill chunks
+
+
+def custom_max_bytes(sizes: list[int], custom_us: list[float], nccl_us: list[float]) -> int:
+    """The largest of `sizes` (ascending) up to which the custom all-reduce is never slower than NCCL; 0 when it is
+    slower already at the smallest (then NCCL takes every message)."""
+    limit = 0
+    for n, ours, theirs in zip(sizes, custom_us, nccl_us):
+        if ours > theirs:
+            break
+        limit = n
+    return limit
+
+
+def _median_us(call, gpu_ops, reps: int = 7) -> float:
+    """Median device time of `call()` over `reps` runs after one warm-up, in microseconds (fdlite's CUDA events:
+    Paddle 2.6's Event.elapsed_time returns 0)."""
+    lib = gpu_ops.capi()
+    start, end = lib.fdl_event_create(), lib.fdl_event_create()
+    call()
+    times = []
+    try:
+        for _ in range(reps):
+            stream = gpu_ops.current_stream_handle()
+            lib.fdl_event_record(start, stream)
+            call()
+            lib.fdl_event_record(end, stream)
+            times.append(lib.fdl_event_elapsed_ms(start, end) * 1000.0)
+    finally:
+        lib.fdl_event_destroy(start)
+        lib.fdl_event_destroy(end)
+    return sorted(times)[len(times) // 2]
 
 
 # ---- the process's tensor-parallel group, for the layers ---------------------------------------
