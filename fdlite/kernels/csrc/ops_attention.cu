@@ -233,7 +233,11 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
       for (int v = sub; v < L::VPR; v += tpp) {
         const Vec<C, L::VE> kv = *reinterpret_cast<const Vec<C, L::VE>*>(kr + v * L::VE);
 #pragma unroll
-        for (int e = 0; e < L::VE; ++e) dot += qv[v * L::VE + e] * cache_to_f<C>(kv.v[e]);
+        for (int e = 0; e < L::VE; e += 2) {
+          const float2 k2 = cache_pair_to_f2<C>(kv.v + e);
+          dot += qv[v * L::VE + e] * k2.x;
+          dot += qv[v * L::VE + e + 1] * k2.y;
+        }
       }
       for (int o = 1; o < tpp; o <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       if constexpr (F8) dot *= kscale[key];  // a key's scale multiplies its whole score
@@ -268,10 +272,10 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
         const float* pr = S + hh * KC;
 #pragma unroll 8
         for (int k = 0; k < KC; ++k) {
-          const C* vv = vs + k * L::ROW + dp * 2;
+          const float2 v2 = cache_pair_to_f2<C>(vs + k * L::ROW + dp * 2);
           const float p = pr[k];
-          a0 += p * cache_to_f<C>(vv[0]);
-          a1 += p * cache_to_f<C>(vv[1]);
+          a0 += p * v2.x;
+          a1 += p * v2.y;
         }
         acc[n][0] = a0;
         acc[n][1] = a1;
