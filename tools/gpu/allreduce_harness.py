@@ -151,6 +151,18 @@ class Sim:
         return [g.device_errors(clear=True) for g in self.group]
 
 
+def refused(calls: dict) -> dict:
+    """name -> how the library answered a call it must refuse (no launch): "refused code N" or "accepted (WRONG)"."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "accepted (WRONG)"
+        except car.CustomAllReduceError as e:
+            out[name] = f"refused code {e.code}"
+    return out
+
+
 def sim_correctness(sim: Sim, dtypes, sizes, seed: int) -> dict:
     W, dev = sim.world, sim.dev
     gen = torch.Generator(device=dev)
@@ -197,19 +209,13 @@ def sim_correctness(sim: Sim, dtypes, sizes, seed: int) -> dict:
     after = [g.stats()["registered"] for g in sim.group]
     res["registered_eager"] = {**chk.result(), "path_counted": all(a - b == 3 for a, b in zip(after, before))}
     # argument checks the C side must refuse (no launch)
-    refusals = {}
     g0 = sim.group[0]
     x = torch.zeros(64, dtype=torch.bfloat16, device=dev)
-    for name, call in {
+    refusals = refused({
         "not_multiple_of_16": lambda: g0.all_reduce_ptr(x.data_ptr(), x.data_ptr(), 7, "bfloat16", 0),
         "above_max_size": lambda: g0.all_reduce_ptr(x.data_ptr(), x.data_ptr(), g0.max_size // 2 + 8, "bfloat16", 0),
         "misaligned": lambda: g0.all_reduce_ptr(x.data_ptr() + 2, x.data_ptr() + 2, 8, "bfloat16", 0),
-    }.items():
-        try:
-            call()
-            refusals[name] = "accepted (WRONG)"
-        except car.CustomAllReduceError as e:
-            refusals[name] = f"refused code {e.code}"
+    })
     res["refusals"] = refusals
     res["device_errors"] = sim.device_errors()
     res["ok"] = (not res["failures"] and res["summary"]["ok"] and res["registered_eager"]["ok"]
@@ -385,20 +391,14 @@ def sim_gather(sim: Sim, seed: int, replays: int = 200) -> dict:
         graph_bad += int(not all(torch.equal(ga[r], ref_a) and torch.equal(gb[r], ids[0]) for r in range(W)))
     torch.cuda.synchronize()
     errs = sim.device_errors()
-    refusals = {}
     g0 = sim.group[0]
     x = torch.zeros(64, device=dev)
-    for name, call in {
+    refusals = refused({
         "above_max_size": lambda: g0.gather_ptr(x.data_ptr(), x.data_ptr(), g0.max_size // 64 + 1, 64, 64, -1, 0),
         "row_not_multiple_of_4": lambda: g0.gather_ptr(x.data_ptr(), x.data_ptr(), 2, 6, 6 * W, -1, 0),
         "output_wider_than_gathered": lambda: g0.gather_ptr(x.data_ptr(), x.data_ptr(), 1, 16, 16 * W + 16, -1, 0),
         "root_out_of_range": lambda: g0.gather_ptr(x.data_ptr(), x.data_ptr(), 1, 16, 16, W, 0),
-    }.items():
-        try:
-            call()
-            refusals[name] = "accepted (WRONG)"
-        except car.CustomAllReduceError as e:
-            refusals[name] = f"refused code {e.code}"
+    })
     return {"runs": runs, "failures": failures, "graph_replays": replays, "graph_replays_wrong": graph_bad,
             "device_errors": errs, "refusals": refusals,
             "ok": not failures and graph_bad == 0 and not any(errs) and all("refused" in v for v in refusals.values())}
