@@ -136,13 +136,14 @@ class Engine:
         self._to_poison.clear()  # (the same list: the allocator's on_release extends it)
         return blocks
 
-    def _execute(self, prepared: StepInputs, poison: list[int]) -> SamplerOutput | None:
+    def _execute(self, prepared: StepInputs, poison: list[int], execute=None) -> SamplerOutput | None:
         """The step's forward, after the debug poison of the blocks freed before it was scheduled: in stream order,
         so a step still running when they were freed (async scheduling) reads them intact, and the step that
-        may reuse them writes after the poison."""
+        may reuse them writes after the poison. `execute`: the worker's method, looked up on the engine's thread
+        when the step was launched (async scheduling), not on the step thread whenever it gets there."""
         if poison:
             self.runner.kv_cache.poison_blocks(poison)
-        return self.worker.execute(prepared)
+        return (execute or self.worker.execute)(prepared)
 
     def _postprocess(self, scheduled: ScheduledBatch, prepared: StepInputs, sampled: SamplerOutput | None):
         """After a step's forward: tokens into the slots, text and logprobs, then stops and finishes."""
@@ -233,7 +234,8 @@ class Engine:
             return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="fdlite-step")
-        return scheduled, prepared, self._executor.submit(self._execute, prepared, self._take_poison())
+        return scheduled, prepared, self._executor.submit(self._execute, prepared, self._take_poison(),
+                                                          self.worker.execute)
 
     def close(self) -> None:
         """Stop the step thread (async scheduling) once the step in flight is done; the model runner is closed by
