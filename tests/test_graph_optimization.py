@@ -256,6 +256,28 @@ def test_verify_rejects_a_graph_that_ignores_new_inputs(qwen3, eager_tokens, mon
     assert got != eager_tokens
 
 
+def test_verify_replays_each_graph_on_other_inputs_than_its_capture(qwen3, monkeypatch):
+    """The self-check writes a batch of its own (other context lengths, for a token-count graph another split)
+    before it replays: a graph replayed on its capture's inputs would pass whatever it ignores."""
+    monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
+    written = []
+    real_write = cudagraph_runner.CudaGraphRunner._write
+
+    def recording(self, batch, size, patch=None):
+        written.append((self.kind, size, batch.seq_lens_kv.tobytes() + batch.cu_seqlens_q.tobytes()))
+        return real_write(self, batch, size, patch)
+    monkeypatch.setattr(cudagraph_runner.CudaGraphRunner, "_write", recording)
+    llm = LLM(qwen3, graph_optimization_config={"use_cudagraph": True}, **COMMON)
+    kinds_sizes = {(k, s) for k, s, _ in written}
+    assert {k for k, _ in kinds_sizes} == {"decode", "mixed"}
+    full = COMMON["max_num_seqs"] * COMMON["max_model_len"]  # every row full: the one split there is
+    for kind, size in kinds_sizes:
+        batches = [b for k, s, b in written if (k, s) == (kind, size)]
+        assert len(batches) == 2, (kind, size)  # the capture's, then the check's
+        assert batches[0] != batches[1] or (kind == "mixed" and size == full), (kind, size)
+    llm.close()
+
+
 class CaptureSplitGraph(cudagraph_runner.EagerReplayGraph):
     """FastDeploy's prefill-graph bug as a stand-in: the replay runs with the split of the tokens into rows that
     was there at capture (a kernel whose launch grid was sized from it), whatever the batch's split is now."""
