@@ -17,7 +17,7 @@ fresh allocator and its startup numbers are its own:
     python3 tools/gpu/e2e_harness.py sampling   --out DIR   # each sampling feature's tokens/s beside plain sampling
     python3 tools/gpu/e2e_harness.py sampling_checks --out DIR  # penalties, bans, logprobs vs transformers; seeded graphs
     python3 tools/gpu/e2e_harness.py memory     --out DIR   # create / generate / del three times: same KV cache, memory back
-    python3 tools/gpu/e2e_harness.py moe_bench  --out DIR   # ERNIE-4.5-21B-A3B, Qwen3-30B-A3B, Qwen3-4B shapes (dummy
+    python3 tools/gpu/e2e_harness.py moe_bench  --out DIR   # ERNIE-4.5-21B-A3B, Qwen3-30B-A3B, Qwen3-4B, Llama-3.1-8B (dummy
                                                              # weights): protocol + prefill-heavy beside their roofline
     python3 tools/gpu/e2e_harness.py tp         --out DIR   # tensor_parallel_size=2, two processes sharing the GPU:
                                                              # tokens vs tp=1 and transformers, graphs vs eager
@@ -1821,6 +1821,15 @@ MOE_BENCH_SHAPES = {
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         hidden_act="silu", torch_dtype="bfloat16", initializer_range=0.02, bos_token_id=151643,
         eos_token_id=151645),
+    # Llama-3.1-8B: issue 25's 8B rows (the protocol, and this section's prefill-heavy job: 256 prompts of 1-2k tokens)
+    "llama31_8b_dense": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        hidden_act="silu", torch_dtype="bfloat16", initializer_range=0.02, bos_token_id=128000,
+        eos_token_id=128001),
 }
 # --quick (CPU): the same families and switches at toy sizes
 MOE_BENCH_QUICK = {
@@ -1832,6 +1841,8 @@ MOE_BENCH_QUICK = {
                           num_experts_per_tok=4, moe_intermediate_size=32),
     "qwen3_4b_dense": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=16384),
+    "llama31_8b_dense": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=16384),
 }
 
 
@@ -1846,7 +1857,8 @@ def config_only_model(name: str) -> str:
 
 
 def section_moe_bench():
-    """ERNIE-4.5-21B-A3B and Qwen3-30B-A3B shapes, and Qwen3-4B's as the dense comparison, bf16, random weights
+    """ERNIE-4.5-21B-A3B and Qwen3-30B-A3B shapes, Qwen3-4B's as the dense comparison and Llama-3.1-8B's (issue 25's
+    8B rows), bf16, random weights
     (load_format="dummy": only config.json on disk), graphs on, one engine at a time: (a) the nano-vllm protocol's
     output tokens/s and steps, (b) a prefill-heavy job (256 prompts of 1,024-2,040 tokens, 8 output tokens each)
     in tokens/s; beside each, its roofline over the steps the engine ran (tools/gpu/moe_roofline.py: the experts a
