@@ -10,7 +10,8 @@ toolchain setting, or a debug switch. The C++ sources read no environment: fdlit
 FDLITE_PDL, FDLITE_GEMV and FDLITE_ATTN_MMA to the ops library once, when it loads it (`fdl_set_options`).
 
 fdlite also *sets* two variables for the libraries it drives, which are not options: MKL_DEBUG_CPU_TYPE
-(fdlite/mkl_amd.py, before Paddle loads MKL) and PADDLE_DISTRI_BACKEND (fdlite/distributed/parallel_state.py).
+(fdlite/mkl_amd.py, before Paddle loads MKL) and PADDLE_DISTRI_BACKEND (fdlite/distributed/parallel_state.py, after
+reading the user's choice of it here).
 
 This module imports nothing of fdlite (nor Paddle): fdlite/kernels/build.py and the all-reduce loader load it by
 path where Paddle is missing (tools/gpu/compile_check.sh, tools/gpu/allreduce_harness.py).
@@ -116,6 +117,8 @@ VARIABLES: dict[str, Var] = {
     # --- set by `python -m paddle.distributed.launch`
     "PADDLE_TRAINER_ID": Var("0", "This process's rank in a multi-process launch (set by the launcher).", _int),
     "PADDLE_TRAINERS_NUM": Var("1", "Number of processes of a multi-process launch (set by the launcher).", _int),
+    "PADDLE_DISTRI_BACKEND": Var("auto", "Backend of the launch's process group (Paddle's variable): auto lets fdlite "
+                                 "pick gloo on CPU and for ranks that name their GPU, NCCL otherwise.", _lower),
 }
 
 _lock = threading.Lock()
@@ -188,6 +191,7 @@ if TYPE_CHECKING:
     FDLITE_DEBUG_POISON_FREED_BLOCKS: bool
     PADDLE_TRAINER_ID: int
     PADDLE_TRAINERS_NUM: int
+    PADDLE_DISTRI_BACKEND: str
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """fdlite/envs.py is the one place fdlite reads its environment variables, and it documents each of them.
 
-- No other file under fdlite/ (Python, C, C++, CUDA) reads FDLITE_*, PADDLE_TRAINER_ID, PADDLE_TRAINERS_NUM
-  or CUDA_ARCHS: Python reads are found in the syntax tree (so docstrings and comments may name them), C
+- No other file under fdlite/ (Python, C, C++, CUDA) reads FDLITE_*, PADDLE_TRAINER_ID, PADDLE_TRAINERS_NUM,
+  PADDLE_DISTRI_BACKEND or CUDA_ARCHS: Python reads are found in the syntax tree (so docstrings and comments may name them), C
   reads are getenv calls outside comments. A read whose name cannot be told (a computed key) fails too.
 - Every variable listed has a default that parses and a help line; every FDLITE_* name the package mentions
   is listed.
@@ -24,7 +24,7 @@ from fdlite import envs
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "fdlite"
 ENVS = PACKAGE / "envs.py"
-OWNED = re.compile(r"^(FDLITE_\w*|PADDLE_TRAINER_ID|PADDLE_TRAINERS_NUM|\w*CUDA_ARCHS)$")
+OWNED = re.compile(r"^(FDLITE_\w*|PADDLE_TRAINER_ID|PADDLE_TRAINERS_NUM|PADDLE_DISTRI_BACKEND|\w*CUDA_ARCHS)$")
 C_SUFFIXES = (".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp")
 
 

@@ -32,6 +32,7 @@ import paddle
 
 from fdlite.distributed.parallel_state import ParallelState
 from fdlite.graph.graph_break import opaque_to_sot
+from fdlite.kernels import gpu as gpu_ops
 from fdlite.kernels.allreduce.capture import register_capture_participant, unregister_capture_participant
 
 logger = logging.getLogger("fdlite")
@@ -146,8 +147,6 @@ class Communicator:
         line with the numbers. Ranks on distinct GPUs only (where both run), once per engine."""
         import paddle.distributed as dist  # noqa: PLC0415
 
-        from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
-
         sizes = [n for n in MEASURED_SIZES if custom.should_use(n)]
         group = {"group": self.group} if self.group is not None else {}
         x = paddle.empty([max(sizes) // 2], dtype="bfloat16")
@@ -155,7 +154,7 @@ class Communicator:
 
         def timed(call, n: int) -> float:
             view = x[: n // 2]
-            return _median_us(lambda: call(view), gpu_ops)
+            return _median_us(lambda: call(view))
 
         ours = [timed(lambda v: custom.all_reduce(v, paddle.empty_like(v), stream=gpu_ops.current_stream_handle()), n)
                 for n in sizes]
@@ -194,8 +193,6 @@ class Communicator:
         nbytes = math.prod(x.shape) * x.element_size()
         if self.custom is not None and self.custom.should_use(nbytes) and (
                 self.custom_max_bytes is None or nbytes <= self.custom_max_bytes):
-            from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
-
             # Out of place: inside a CUDA-graph capture the kernel then reads `x` where it lies.
             return self.custom.all_reduce(x, paddle.empty_like(x), stream=gpu_ops.current_stream_handle())
         if self.custom_only:
@@ -213,7 +210,6 @@ class Communicator:
     def _all_reduce_in_pieces(self, x: paddle.Tensor, nbytes: int) -> paddle.Tensor:
         """The custom all-reduce of a message above its staging size, as consecutive pieces of at most that size
         (ranks without NCCL); out of place, like the one-piece path, so a capture reads `x` where it lies."""
-        from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
         from fdlite.kernels.allreduce.custom_all_reduce import DTYPE_SIZES  # noqa: PLC0415
 
         dtype = str(x.dtype).rsplit(".", 1)[-1]
@@ -249,8 +245,6 @@ class Communicator:
         if self.custom is None:
             raise RuntimeError("the vocabulary all-gather on a GPU runs on fdlite's custom all-reduce library, which "
                                "is off or could not start here (see the warning at startup)")
-        from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
-
         rows, c = x.shape
         out = paddle.empty([rows, columns], dtype=x.dtype)
         row_in, row_out = c * x.element_size(), columns * x.element_size()
@@ -266,8 +260,6 @@ class Communicator:
         """The driver's `x` in `x` on every rank. On a GPU with the custom library: through its staging buffers
         on the device (no host round trip, no NCCL); otherwise `paddle.distributed.broadcast`."""
         if self.device == "gpu" and self.custom is not None:
-            from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
-
             nbytes = math.prod(x.shape) * x.element_size()
             out = paddle.empty_like(x)
             src = x.data_ptr() if self.state.is_driver else 0
@@ -317,7 +309,7 @@ def custom_max_bytes(sizes: list[int], custom_us: list[float], nccl_us: list[flo
     return limit
 
 
-def _median_us(call, gpu_ops, reps: int = 7) -> float:
+def _median_us(call, reps: int = 7) -> float:
     """Median device time of `call()` over `reps` runs after one warm-up, in microseconds (fdlite's CUDA events:
     Paddle 2.6's Event.elapsed_time returns 0)."""
     lib = gpu_ops.capi()

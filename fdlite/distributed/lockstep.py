@@ -22,6 +22,7 @@ import numpy as np
 import paddle
 
 from fdlite.distributed.communicator import Communicator
+from fdlite.kernels import gpu as gpu_ops
 from fdlite.sample.sampler import SamplerOutput
 from fdlite.sampling_params import SamplingParams
 
@@ -63,8 +64,6 @@ def _share_on_device(comm: Communicator, sampled: SamplerOutput | None, num_rows
     """share_sampled_tokens on a GPU: the driver's device ids broadcast on the device (no Paddle kernel: `empty`
     and fdlite's copies only); the other ranks keep them on the device too (the next step's input patch reads
     them there) and bring them to the host once."""
-    from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
-
     if comm.state.is_driver:
         ids = sampled.device_tokens
         if ids is None:

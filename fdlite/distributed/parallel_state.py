@@ -96,7 +96,7 @@ def group_of(rank: int, tensor_parallel_size: int) -> tuple[int, int]:
 def control_backend(device: str, pinned_gpu: bool) -> str:
     """The process group's backend: gloo on CPU and for GPU ranks that pinned their GPU themselves (they may
     share it, which NCCL refuses), else NCCL. An explicit PADDLE_DISTRI_BACKEND wins."""
-    chosen = os.environ.get("PADDLE_DISTRI_BACKEND", "auto")
+    chosen = envs.PADDLE_DISTRI_BACKEND
     if chosen != "auto":
         return chosen
     return "gloo" if device == "cpu" or pinned_gpu else "nccl"

@@ -78,7 +78,6 @@ class ModelRunner:
         self.model_path = model_path
         self.device = select_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
-        config.resolve_device(self.device)
         tp_size = config.tensor_parallel_size
         TPPartition.of(model_config, 0, tp_size)  # a model that cannot be split fails before any process waits
         # `device="gpu:N"` under a launch pins every rank's GPU itself: ranks may share one (the verification layout).

@@ -615,6 +615,19 @@ def section_tp_rank():
         write()
 
 
+def churning_job(family: str, seed: int, requests: int, prompt_lens: tuple[int, int], blocks: int):
+    """`requests` random prompts (lengths in `prompt_lens`) with 4-29 greedy tokens each over 4 rows and a 64-token
+    step budget, fp32: nearly every step mixes prefill chunks with decodes. `eager_then_graphs` of it."""
+    from fdlite import SamplingParams  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 1024, size=int(k)).tolist() for k in rng.integers(*prompt_lens, size=requests)]
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(4, 30, requests)]
+    return eager_then_graphs(small_model(family), prompts, params, device=FDL_DEVICE, dtype="float32",
+                             skip_tokenizer_init=True, max_num_seqs=4, block_size=16, max_model_len=1024,
+                             max_num_batched_tokens=64, num_gpu_blocks_override=blocks)
+
+
 # ---- CUDA graphs: 1,000 decode steps ------------------------------------------------------------
 
 def section_graphs():
@@ -657,15 +670,7 @@ def section_graphs():
         """Over 1,000 mixed steps of a churning job (130 requests over 4 rows, prompts prefilled 64 tokens a step
         beside the others' decodes): nearly every step mixes prefill and decode tokens and replays a token-count
         graph (issue 24 asks for 1,000 of them); the tokens equal the eager engine's."""
-        from fdlite import SamplingParams  # noqa: PLC0415
-
-        path = small_model("qwen3")
-        rng = np.random.default_rng(12)
-        prompts = [rng.integers(3, 1024, size=int(k)).tolist() for k in rng.integers(200, 800, size=130)]
-        params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(4, 30, 130)]
-        common = dict(device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4, block_size=16,
-                      max_model_len=1024, max_num_batched_tokens=64, num_gpu_blocks_override=400)
-        want, got, st, llm = eager_then_graphs(path, prompts, params, **common)
+        want, got, st, llm = churning_job("qwen3", seed=12, requests=130, prompt_lens=(200, 800), blocks=400)
         mixed = llm.runner.mixed_graph_runner
         res = {"identical": got == want, "steps": st["num_steps"], "cudagraph_replays": st["cudagraph_replays"],
                "mixed_replays": st["cudagraph_mixed_replays"], "mixed_sizes": sorted(mixed.graphs) if mixed else [],
@@ -1771,13 +1776,7 @@ def section_moe():
 
     def mixed_case(family):
         def f():
-            path = small_model(family)
-            rng = np.random.default_rng(22)
-            prompts = [rng.integers(3, 1024, size=int(k)).tolist() for k in rng.integers(100, 600, size=40)]
-            params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(4, 30, 40)]
-            common = dict(device=FDL_DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4, block_size=16,
-                          max_model_len=1024, max_num_batched_tokens=64, num_gpu_blocks_override=300)
-            want, got, st, llm = eager_then_graphs(path, prompts, params, **common)
+            want, got, st, llm = churning_job(family, seed=22, requests=40, prompt_lens=(100, 600), blocks=300)
             res = {"identical": got == want, "steps": st["num_steps"], "cudagraph_replays": st["cudagraph_replays"],
                    "mixed_replays": st["cudagraph_mixed_replays"]}
             res["pass"] = bool(res["identical"] and st["cudagraph_mixed_replays"] >= 0.5 * st["num_steps"])
