@@ -37,7 +37,7 @@ def _path(v: str) -> str:
     return os.path.expanduser(v.strip())
 
 
-def _pdl(v: str) -> int:
+def _zero_one_two(v: str) -> int:
     m = int(v.strip())
     if m not in (0, 1, 2):
         raise ValueError("expected 0, 1 or 2")
@@ -84,7 +84,7 @@ VARIABLES: dict[str, Var] = {
     "FDLITE_OPS_LIB": Var("", "The custom all-reduce library (libfdlite_allreduce.so or the setup_ops.py "
                           "extension); unset: fdlite/kernels/lib/libfdlite_allreduce.so if present.", _path),
     # --- building the GPU ops
-    "FDLITE_CUDA_ARCHS": Var("90", "';'-separated compute capabilities the GPU ops are compiled for "
+    "FDLITE_CUDA_ARCHS": Var("90a", "';'-separated compute capabilities the GPU ops are compiled for "
                              "(e.g. \"90;100\").", _list),
     "FDLITE_CUBLAS_INCLUDE": Var("", "Folder of cublasLt.h when it is not beside nvcc or in the nvidia-* wheels.",
                                  _path),
@@ -101,11 +101,12 @@ VARIABLES: dict[str, Var] = {
     "FDLITE_GPU_OPS_CHECKS": Var("1", "0 turns off the argument checks of the GPU op wrappers "
                                  "(fdlite/kernels/gpu.py: tens of microseconds of host time per eager op).", _flag),
     "FDLITE_PDL": Var("2", "Programmatic dependent launch of the GPU ops on sm_90+: 0 never, 1 every launch that "
-                      "allows it, 2 only after another fdlite kernel (passed to the library at load).", _pdl),
+                      "allows it, 2 only after another fdlite kernel (passed to the library at load).", _zero_one_two),
     "FDLITE_GEMV": Var("1", "0 turns off the decode GEMV (batches of at most 4 rows go to cuBLASLt instead; "
                        "passed to the library at load).", _flag),
-    "FDLITE_ATTN_MMA": Var("1", "0 sends bf16/fp16 prefill attention to the CUDA-core tile kernel instead of the "
-                           "tensor-core one (for side-by-side measurements; passed to the library at load).", _flag),
+    "FDLITE_ATTN_MMA": Var("2", "bf16/fp16 prefill attention kernel: 2 wgmma where the library has sm_90a code and "
+                           "the GPU is sm_90 (else mma.sync), 1 mma.sync, 0 the CUDA-core tile kernel (for "
+                           "side-by-side measurements; passed to the library at load).", _zero_one_two),
     "FDLITE_CUDAGRAPH_BACKEND": Var("", "`eager` replaces CUDA graph capture by fdlite's eager-replay stand-in "
                                     "(fdlite/graph/eager_replay.py), on any device: for CPU tests.", _lower),
     # --- debugging
@@ -185,7 +186,7 @@ if TYPE_CHECKING:
     FDLITE_GPU_OPS_CHECKS: bool
     FDLITE_PDL: int
     FDLITE_GEMV: bool
-    FDLITE_ATTN_MMA: bool
+    FDLITE_ATTN_MMA: int
     FDLITE_CUDAGRAPH_BACKEND: str
     FDLITE_INCREMENTAL_DETOKENIZE: bool
     FDLITE_DEBUG_POISON_FREED_BLOCKS: bool

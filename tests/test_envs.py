@@ -231,9 +231,27 @@ def test_gpu_switches_reach_the_library_in_order(monkeypatch):
         gpu.set_options(attn_mma=False)
         gpu.set_options()
         gpu.set_options(pdl=0, gemv=True)
-        assert calls == [(1, 0, 0), (1, 0, 1), (0, 1, 1)]
+        gpu.set_options(attn_mma=2)
+        assert calls == [(1, 0, 0), (1, 0, 1), (0, 1, 1), (1, 0, 2)]
         with pytest.raises(gpu.GpuOpsError, match="pdl=5"):
             gpu.set_options(pdl=5)
     finally:
         monkeypatch.undo()
         envs.refresh()
+
+
+def test_attn_kernel_switch_is_zero_one_or_two(monkeypatch):
+    """FDLITE_ATTN_MMA picks the prefill attention kernel: 2 (wgmma where it can run) by default, 0 / 1 / 2 accepted,
+    anything else refused with the variable's name."""
+    monkeypatch.delenv("FDLITE_ATTN_MMA", raising=False)
+    envs.refresh()
+    assert envs.FDLITE_ATTN_MMA == 2
+    monkeypatch.setenv("FDLITE_ATTN_MMA", "1")
+    envs.refresh()
+    assert envs.FDLITE_ATTN_MMA == 1
+    monkeypatch.setenv("FDLITE_ATTN_MMA", "3")
+    envs.refresh()
+    with pytest.raises(ValueError, match="FDLITE_ATTN_MMA='3'"):
+        envs.FDLITE_ATTN_MMA  # noqa: B018
+    monkeypatch.undo()
+    envs.refresh()

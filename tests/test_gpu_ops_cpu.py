@@ -171,10 +171,16 @@ def test_build_flags_name_each_arch_and_the_cache_key_follows_sources(monkeypatc
     flags = build.nvcc_flags(tc)
     assert "-gencode=arch=compute_90,code=sm_90" in flags and "-gencode=arch=compute_100,code=sm_100" in flags
     assert "-DPADDLE_WITH_CUDA" in flags and f"-I{tmp_path}" in flags
+    assert "-DFDL_HAVE_SM90A" not in flags  # no sm_90a code: the host never launches the wgmma kernels
     monkeypatch.setattr(build, "_nvcc_version", lambda nvcc: "v")
     k1 = build.cache_key(tc)
     tc.archs = ["90"]
     assert build.cache_key(tc) != k1
+    tc.archs = ["90a"]
+    flags = build.nvcc_flags(tc)
+    assert "-gencode=arch=compute_90a,code=sm_90a" in flags and "-DFDL_HAVE_SM90A" in flags
+    assert build.Toolchain(nvcc="n", cuda_include="", cudart_lib=None, cublas_include="", cublas_lib=None,
+                           paddle_include="", paddle_lib=None, paddle_version="x").archs == ["90a"]
 
 
 def test_so_name_prefers_plain_then_shortest_versioned(tmp_path):

@@ -9,7 +9,8 @@ Why a hand build (nvcc per source, then g++ -shared) with an on-disk cache, rath
 
 - cpp_extension passes no `-gencode` flags, so nvcc's default target (sm_75 SASS + PTX that the
   driver JIT-compiles at load) would run on Hopper; here the targets are explicit
-  (`FDLITE_CUDA_ARCHS`, default "90").
+  (`FDLITE_CUDA_ARCHS`, default "90a": Hopper with its arch-specific wgmma, which the prefill attention
+  uses; sm_90a code runs on compute capability 9.0 only, so other GPUs need their own entry, e.g. "80;90a").
 - It runs setuptools and writes a generated Python module per op (16.9 s for two ops; docs/design.md, "The GPU host framework"), one
   translation unit after another; here the sources compile in parallel and nothing but the .so is
   made, with the same flags against Paddle 2.6 and 3.x headers.
@@ -76,7 +77,7 @@ class Toolchain:
     paddle_include: str
     paddle_lib: str | None       # directory of libpaddle.so (None: compile only)
     paddle_version: str
-    archs: list[str] = field(default_factory=lambda: ["90"])
+    archs: list[str] = field(default_factory=lambda: ["90a"])
 
 
 def _site_dirs() -> list[str]:
@@ -188,6 +189,8 @@ def nvcc_flags(tc: Toolchain) -> list[str]:
              "-DPADDLE_WITH_CUDA", "-DEIGEN_USE_GPU", "-DPADDLE_WITH_CUSTOM_KERNEL", "-DPADDLE_NO_PYTHON",
              "-Xptxas", "-warn-spills", "-w"]
     flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in tc.archs]
+    if "90a" in tc.archs:  # the host side may launch the wgmma kernels (ops_attention.cu: wgmma_ready)
+        flags.append("-DFDL_HAVE_SM90A")
     flags += [f"-I{d}" for d in dict.fromkeys(incs)]
     return flags
 

@@ -80,8 +80,8 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
 CAPI_KEEP_GIL = frozenset({"fdl_ops_abi_version", "fdl_set_options", "fdl_event_create", "fdl_event_record",
                            "fdl_event_destroy", "fdl_memcpy_h2d_async", "fdl_memcpy_h2d_many",
                            "fdl_memcpy_h2d_many_pinned", "fdl_memcpy_d2h_async"})
-ABI_VERSION = 10  # fdl_ops_abi_version() of the sources this module speaks to (7: MoE ops; 8: fdl_add_; 9: FP8 KV;
-#                  10: fdl_memcpy_h2d_many_pinned)
+ABI_VERSION = 11  # fdl_ops_abi_version() of the sources this module speaks to (7: MoE ops; 8: fdl_add_; 9: FP8 KV;
+#                  10: fdl_memcpy_h2d_many_pinned; 11: attn_mma 0 / 1 / 2)
 
 
 def load(path: str | None = None) -> str:
@@ -106,15 +106,16 @@ def load(path: str | None = None) -> str:
         return path
 
 
-def _apply_options(capi, pdl: int | None = None, gemv: bool | None = None, attn_mma: bool | None = None) -> None:
+def _apply_options(capi, pdl: int | None = None, gemv: bool | None = None, attn_mma: int | None = None) -> None:
     """The library's switches: the given values, the rest from fdlite/envs.py."""
     vals = (envs.FDLITE_PDL if pdl is None else pdl, int(envs.FDLITE_GEMV if gemv is None else gemv),
             int(envs.FDLITE_ATTN_MMA if attn_mma is None else attn_mma))
     if capi.fdl_set_options(*vals):
-        raise GpuOpsError(f"fdl_set_options refused pdl={vals[0]} (FDLITE_PDL: 0, 1 or 2)")
+        raise GpuOpsError(f"fdl_set_options refused pdl={vals[0]}, attn_mma={vals[2]} (FDLITE_PDL and FDLITE_ATTN_MMA: "
+                          "0, 1 or 2)")
 
 
-def set_options(pdl: int | None = None, gemv: bool | None = None, attn_mma: bool | None = None) -> None:
+def set_options(pdl: int | None = None, gemv: bool | None = None, attn_mma: int | None = None) -> None:
     """Change the ops library's switches after load (None keeps the value from fdlite/envs.py). Launches after
     the call follow it; captured graphs keep what they captured. For side-by-side measurements in one process."""
     load()

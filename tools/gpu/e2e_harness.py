@@ -771,13 +771,14 @@ def section_memory():
 
 # ---- throughput (nano-vllm's protocol) ------------------------------------------------------------
 
-def set_attn_mma(on: bool):
-    """Tensor-core (True) or CUDA-core prefill attention for the launches that follow (FDLITE_ATTN_MMA); graphs keep
-    what they captured. Nothing on CPU."""
+def set_attn_mma(on):
+    """The prefill attention kernel for the launches that follow (FDLITE_ATTN_MMA): True the default (wgmma on the
+    H100), False the CUDA-core kernel, or a mode (0 CUDA cores, 1 mma.sync, 2 wgmma); graphs keep what they
+    captured. Nothing on CPU."""
     if FDL_DEVICE == "gpu":
         from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
 
-        gpu_ops.set_options(attn_mma=on)
+        gpu_ops.set_options(attn_mma=None if on is True else int(on))
 
 
 def protocol(n=256, max_in=1024, max_out=1024, seed=0):
@@ -1041,13 +1042,15 @@ def section_throughput():
         run("throughput_nano_vllm_protocol", bench)
         run("decode_step_times_ctx512", step_times)
         run("prefill_heavy_tensor_cores", prefill_heavy)
-        if not ARGS.quick:  # the same job with the CUDA-core prefill attention (its own engine: graphs keep their kernels)
-            state.pop("llm").close()
-            set_attn_mma(False)
+        # the same job with the mma.sync and the CUDA-core prefill attention (own engines: graphs keep their kernels)
+        for mode, name in ((1, "mma_sync"), (0, "cuda_cores")) if not ARGS.quick else ():
+            if "llm" in state:
+                state.pop("llm").close()
+            set_attn_mma(mode)
             try:
-                run("startup_cuda_core_attention", startup)
+                run(f"startup_{name}_attention", startup)
                 if "llm" in state:
-                    run("prefill_heavy_cuda_cores", prefill_heavy)
+                    run(f"prefill_heavy_{name}", prefill_heavy)
             finally:
                 set_attn_mma(True)
 

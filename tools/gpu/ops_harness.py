@@ -760,14 +760,31 @@ if not ARGS.quick:
     check("paged_attention long decode 4096 + prefill 1000 after 3000 cached, bf16",
           t_attn([(1, 4096), (1, 2500), (1000, 4000)]))
 
-# The tensor-core tile kernel (bf16 / fp16 at head_dim 64 / 128): odd lengths, every block and chunk edge
-# (16 / 32 / 64 keys, 128-row tiles), cached prefixes, GQA ratios 1-8 (and 3: tiles of 42 tokens).
+# The tensor-core tile kernels (bf16 / fp16 at head_dim 64 / 128): odd lengths, every block and chunk edge
+# (16 / 32 / 64 keys, 128-row tiles), cached prefixes, GQA ratios 1-8 (and 3: tiles of 42 tokens); the default
+# (wgmma on the H100) in full, mma.sync (FDLITE_ATTN_MMA=1) on a subset.
 mma_rows = [(5, 5), (17, 17), (63, 64), (64, 64), (65, 65), (127, 127), (129, 300), (200, 1000), (1, 40), (6, 6)]
+
+
+def with_attn_kernel(mode, f):
+    """f run with FDLITE_ATTN_MMA=mode (0 CUDA cores, 1 mma.sync, 2 wgmma), the default restored after."""
+    def g():
+        G.set_options(attn_mma=mode)
+        try:
+            return f()
+        finally:
+            G.set_options()
+    return g
+
+
 for dt in ("bfloat16", "float16"):
     for d, bs in ((64, 16), (128, 64)):
         for h, kvh in ((8, 8), (16, 8), (12, 4), (16, 4), (32, 4)):
             check(f"paged_attention tensor-core tiles {dt} d{d} bs{bs} {h}/{kvh} heads (g={h // kvh})",
                   t_attn(mma_rows, h=h, kvh=kvh, d=d, bs=bs, dt=dt))
+            if (h, kvh) in ((16, 8), (12, 4)):
+                check(f"paged_attention mma.sync tiles {dt} d{d} bs{bs} {h}/{kvh} heads (g={h // kvh})",
+                      with_attn_kernel(1, t_attn(mma_rows, h=h, kvh=kvh, d=d, bs=bs, dt=dt)))
 
 
 def t_attn_fp8(rows, h=16, kvh=8, d=128, bs=64, dt="bfloat16", splits=0, max_q_len=0):
@@ -835,6 +852,8 @@ for dt in ("bfloat16", "float16"):
           t_attn_row_invariance(dt))
 check("paged_attention tensor-core tiles: a prefill row alone = in a batch, bitwise (d64, g=4)",
       t_attn_row_invariance(d=64, h=16, kvh=4))
+check("paged_attention mma.sync tiles: a prefill row alone = in a batch, bitwise (bfloat16)",
+      with_attn_kernel(1, t_attn_row_invariance("bfloat16")))
 save()
 
 # ================================================================== (f) logits, argmax, sampling
@@ -1300,8 +1319,8 @@ if not ARGS.no_bench:
         return out
 
     def bench_attn_prefill():
-        """Causal prefill attention, the tensor-core tile kernel beside the CUDA-core one (FDLITE_ATTN_MMA=0),
-        in TFLOP/s of the causal FLOPs (4 h d per (query, visible key) pair)."""
+        """Causal prefill attention, the three tile kernels side by side (FDLITE_ATTN_MMA=2 wgmma, 1 mma.sync, 0 CUDA
+        cores), in TFLOP/s of the causal FLOPs (4 h d per (query, visible key) pair)."""
         out = []
         cases = [("Qwen3-0.6B layer", 16, 8, 128, [(2048, 2048)]),
                  ("Qwen3-0.6B layer", 16, 8, 128, [(2048, 2048)] * 8),
@@ -1316,15 +1335,13 @@ if not ARGS.no_bench:
                 ins = b.inputs()
                 flops = sum(4 * h * d * sum(min(kv, kv - ql + i + 1) for i in range(ql)) for ql, kv in rows)
                 row = {"case": name, "h": h, "kvh": kvh, "d": d, "rows": [list(r) for r in rows]}
-                for mma in (False, True):
-                    G.set_options(attn_mma=mma)
+                for mode, key in ((2, "wgmma"), (1, "mma_sync"), (0, "cuda_cores")):
+                    G.set_options(attn_mma=mode)
                     us = graph_time_us(lambda: G.paged_attention(*ins, d ** -0.5, 0, 0), per_graph=5, replays=5)
-                    key = "tensor_cores" if mma else "cuda_cores"
                     row[key] = {"us": round(us, 1), "TFLOP_s": round(flops / us / 1e6, 1)}
                 out.append(row)
-                log(f"  prefill attn {name} {rows[0]}x{len(rows)}: tensor cores {row['tensor_cores']['us']:9.1f} us "
-                    f"{row['tensor_cores']['TFLOP_s']:6.1f} TFLOP/s; CUDA cores {row['cuda_cores']['us']:9.1f} us "
-                    f"{row['cuda_cores']['TFLOP_s']:6.1f} TFLOP/s")
+                log(f"  prefill attn {name} {rows[0]}x{len(rows)}: " + "; ".join(
+                    f"{k} {row[k]['us']:9.1f} us {row[k]['TFLOP_s']:6.1f} TFLOP/s" for k in ("wgmma", "mma_sync", "cuda_cores")))
                 del b, ins
         finally:
             G.set_options()

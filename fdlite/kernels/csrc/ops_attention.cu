@@ -555,6 +555,7 @@ __global__ void __launch_bounds__(NT) attn_tile_kernel(Args a, int tile_tokens) 
 }  // namespace fdl
 
 #include "attention_mma.cuh"
+#include "attention_wgmma.cuh"
 
 namespace fdl {
 namespace {
@@ -624,18 +625,37 @@ int choose_splits(int64_t work, int64_t by_ctx, int64_t slots) {
   return best;
 }
 
+// Whether the wgmma tile kernel can run: the library was compiled for sm_90a (FDL_HAVE_SM90A, set by build.py
+// when FDLITE_CUDA_ARCHS holds "90a") and the device is compute capability 9.0, the only one sm_90a code runs on.
+bool wgmma_ready() {
+#if defined(FDL_HAVE_SM90A)
+  static const bool ok = [] {
+    int dev = 0, major = 0, minor = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    return major == 9 && minor == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // C: the caches' element type (T, or uint8_t for FP8 caches, which only bf16 / fp16 at head_dim 64 / 128 take:
 // their prefill rows always go to the tensor-core kernel).
 template <typename T, typename C, int D>
 void launch_attention(Args a, bool tiles, cudaStream_t s) {
   if (a.T == 0) return;
   const size_t dsm = decode_smem<C, D>(a.g);
-  // bf16 / fp16 at head_dim 64 / 128 take the tensor-core tile kernel (attention_mma.cuh) unless FDLITE_ATTN_MMA=0
+  // bf16 / fp16 at head_dim 64 / 128 take a tensor-core tile kernel: wgmma (attention_wgmma.cuh) where it can
+  // run and FDLITE_ATTN_MMA=2 (the default), else mma.sync (attention_mma.cuh; FP8 caches always) unless
+  // FDLITE_ATTN_MMA=0 (the CUDA-core kernel)
   constexpr bool f8 = std::is_same<C, uint8_t>::value;
   constexpr bool mma = !std::is_same<T, float>::value && (D == 64 || D == 128);
   static_assert(!f8 || mma, "FP8 caches: bf16 / fp16 at head_dim 64 / 128 only");
   constexpr int mma_d = D == 64 ? 64 : 128;
-  static bool init = false;
+  static bool init = false, init_wg = false;
   if (!init) {  // host-side attributes, set once per instantiation (also fine during a capture)
     set_smem(attn_decode_kernel<T, C, D>, decode_smem<C, D>(MAXG));
     if constexpr (!f8) set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
@@ -645,6 +665,19 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
   launch("attn_decode_kernel", attn_decode_kernel<T, C, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s,
          pdl_rows(a.T), a);
   if (!tiles) return;
+  if constexpr (mma && !f8) {
+    if (options().attn_mma >= 2 && wgmma_ready()) {
+      if (!init_wg) {
+        set_smem(attn_wgmma_kernel<T, mma_d>, WgTile<mma_d>::bytes);
+        init_wg = true;
+      }
+      const int tile_tokens = WgTile<mma_d>::BM / a.g;
+      launch("attn_wgmma_kernel", attn_wgmma_kernel<T, mma_d>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh),
+             WgTile<mma_d>::NTH, WgTile<mma_d>::bytes, s, false, a, tile_tokens);
+      FDL_CHECK_LAUNCH("fdl_paged_attention (wgmma tile kernel)");
+      return;
+    }
+  }
   if constexpr (mma) {
     if (f8 || options().attn_mma) {
       const int tile_tokens = MmaTile<mma_d, f8>::BM / a.g;

@@ -12,9 +12,10 @@ struct Options {
   int pdl = 2;
   // FDLITE_GEMV: false sends [N, K] weights at <= 4 rows to cuBLASLt too (ops_linear.cu).
   bool gemv = true;
-  // FDLITE_ATTN_MMA: false sends bf16 / fp16 prefill attention to the CUDA-core tile kernel instead of the
-  // tensor-core one (ops_attention.cu; for side-by-side measurements).
-  bool attn_mma = true;
+  // FDLITE_ATTN_MMA: the bf16 / fp16 prefill attention kernel (ops_attention.cu): 2 (default) wgmma where the
+  // library has sm_90a code and the GPU is sm_90, else mma.sync; 1 mma.sync; 0 the CUDA-core tile kernel (for
+  // side-by-side measurements).
+  int attn_mma = 2;
 };
 
 inline Options& options() {

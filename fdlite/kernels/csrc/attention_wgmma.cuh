@@ -1,0 +1,347 @@
+// Hopper tensor-core tile kernel of fdl_paged_attention (ops_attention.cu) for bf16 / fp16 at head_dim 64 / 128:
+// the prefill and chunked-prefill rows on `wgmma` (sm_90a), FlashAttention-3's instruction with fdlite's
+// paged, varlen tiles. Included by ops_attention.cu after attention_mma.cuh (the `mma.sync` kernel, which
+// FP8 caches and builds without sm_90a keep; FDLITE_ATTN_MMA=1 selects it for side-by-side runs).
+//
+// Why wgmma without TMA: TMA's tensor maps describe dense boxes, while a tile's rows are (token, query head)
+// pairs of a flat varlen batch and its keys come through a block table; cp.async gathers write the same
+// 128-byte-swizzled layout TMA would, and a warpgroup-wide MMA then reads Q, K and V from shared memory
+// without ldmatrix and at twice mma.sync's rate.
+//
+// Work split as in the mma.sync kernel (so graphs replay it for any batch of the captured token count): grid
+// (ceil(T / tile_tokens), kv_heads), blocks in reverse; a block is one warpgroup (128 threads) holding BM = 128
+// query rows (token x query head of one KV head) as two m64 tiles, against chunks of BN = 64 keys streamed
+// through two cp.async stages; two blocks share an SM, so one block's softmax runs under the other's MMAs.
+// Per chunk: S = Q K^T for both m64 tiles is issued at once (A and B from shared memory); the softmax of tile
+// 0 runs while tile 1's product is in flight, then O += P V (P from registers: the S accumulators re-packed
+// as the A operand, V read N-major straight from its [key][d] layout).
+//
+// Shared-memory layout (all 128-byte swizzled, Swizzle<3,4,3>: the 16-byte piece c of row r sits at piece
+// c ^ (r % 8), in 1024-byte-aligned panels): Q [D / 64 panels][BM rows][64 columns], and per stage K and V
+// [D / 64 panels][BN keys][64 columns]. Q and K are K-major operands; V is the N-major B operand of P V.
+//
+// A row's result depends only on its own query and keys: every row sees its keys in chunks from key 0 in the
+// same order whatever else shares its tile, and masked keys contribute exact zeros.
+#pragma once
+
+#include "mma_sync.cuh"
+
+namespace fdl {
+namespace {
+
+template <int D>
+struct WgTile {
+  static constexpr int NTH = 128;            // one warpgroup
+  static constexpr int MT = 2;               // m64 tiles per block
+  static constexpr int BM = 64 * MT;         // query rows per tile
+  static constexpr int BN = 64;              // keys per chunk
+  static constexpr int PANELS = D / 64;      // 64-column (128-byte) panels of a row
+  static constexpr int VPR = D / 8;          // 16-byte pieces per row
+  static constexpr int Q_PANEL = BM * 128;   // bytes of one panel of Q
+  static constexpr int KV_PANEL = BN * 128;  // bytes of one panel of a K or V chunk
+  static constexpr int KV_BYTES = PANELS * KV_PANEL;
+  static constexpr int STAGE = 2 * KV_BYTES; // K then V
+  static constexpr int Q_BYTES = PANELS * Q_PANEL;
+  static constexpr int CPT = BN * VPR / NTH; // 16-byte copies per thread per chunk, of K and of V each
+  static_assert(BN * VPR % NTH == 0, "chunk must split evenly over the block");
+  static constexpr size_t bytes = (size_t)Q_BYTES + 2 * STAGE + 1024;  // + room to align the base to 1024
+};
+
+// Byte offset of 16-byte piece `c` (0-7) of row `r` in a 128-byte-swizzled panel.
+__device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets
+// (16-byte units; the leading offset matters only for N-major operands wider than one panel).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving reads or writes of accumulators across a wgmma issue or wait.
+template <int N>
+__device__ __forceinline__ void wg_pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 x 64, fp32) (+)= A (64 x 16, K-major in smem) * B (16 x 64, K-major in smem); scale_d 0: d = A B.
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t da, uint64_t db, int scale_d);
+// d (64 x 64, fp32) += A (64 x 16, registers) * B (16 x 64, N-major in smem).
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float (&d)[32], const uint32_t (&a)[4], uint64_t db);
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <>
+__device__ __forceinline__ void wgmma_m64n64k16_ss<__nv_bfloat16>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64n64k16_rs_tb<__nv_bfloat16>(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64n64k16_ss<__half>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64n64k16_rs_tb<__half>(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// Cache rows of the keys this thread copies for the chunk starting at k0 (-1: past k_end), computed one chunk
+// ahead of the copy (as MmaChunkRows); the copies land swizzled.
+template <int D>
+struct WgChunkRows {
+  using C = WgTile<D>;
+  int row[C::CPT];
+
+  __device__ __forceinline__ void compute(const int* btab, int kvh, int j, int bs, int k0, int k_end) {
+#pragma unroll
+    for (int n = 0; n < C::CPT; ++n) {
+      const int kk = k0 + (int)(threadIdx.x + n * C::NTH) / C::VPR;
+      row[n] = kk < k_end ? cache_row(btab, kvh, j, bs, kk) : -1;
+    }
+  }
+
+  template <typename T>
+  __device__ __forceinline__ void issue(uint8_t* stage, const T* kc, const T* vc) const {
+#pragma unroll
+    for (int n = 0; n < C::CPT; ++n) {
+      const int i = threadIdx.x + n * C::NTH;
+      const int kr = i / C::VPR, c = i - kr * C::VPR;
+      const bool valid = row[n] >= 0;  // invalid: zero-filled (V rows must not be NaN: 0 * NaN)
+      const int off = (c >> 3) * C::KV_PANEL + sw128(kr, c & 7);
+      cp_async16(stage + off, valid ? kc + (int64_t)row[n] * D + c * 8 : kc, valid);
+      cp_async16(stage + C::KV_BYTES + off, valid ? vc + (int64_t)row[n] * D + c * 8 : vc, valid);
+    }
+    cp_async_commit();
+  }
+};
+
+template <typename T, int D>
+__device__ void wg_segment(const Args& a, uint8_t* smem, int r, int64_t ts, int64_t te) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = WgTile<D>;
+  constexpr int BN = C::BN, MT = C::MT, NKQ = D / 16, NKP = BN / 16;
+  const int j = blockIdx.y, g = a.g;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row_start = a.cu[r], q_len = a.cu[r + 1] - row_start, kv_len = a.seq_lens[r];
+  const int ntok = (int)(te - ts), M = ntok * g;
+  const int pos0 = kv_len - q_len + (int)(ts - row_start);  // position of the segment's first token
+  const int kv_end = max(0, min(kv_len, pos0 + ntok));
+  const int nchunks = (kv_end + BN - 1) / BN;
+
+  uint8_t* qs = smem;
+  uint8_t* stages = smem + C::Q_BYTES;
+
+  __syncthreads();  // the previous segment is done with smem
+  // Q rows (token-major, the g heads of KV head j for each token), zeros past M; one commit group with the
+  // first K/V chunk.
+  const T* q = static_cast<const T*>(a.q);
+  for (int i = threadIdx.x; i < C::BM * C::VPR; i += C::NTH) {
+    const int m = i / C::VPR, c = i - m * C::VPR;
+    const bool valid = m < M;
+    const int tok = valid ? m / g : 0, hh = valid ? m - tok * g : 0;
+    cp_async16(qs + (c >> 3) * C::Q_PANEL + sw128(m, c & 7), q + ((ts + tok) * a.h + (int64_t)j * g + hh) * D + c * 8,
+               valid);
+  }
+  const int* btab = a.block_tables + (int64_t)r * a.max_blocks;
+  const T* kc = static_cast<const T*>(a.kc);
+  const T* vc = static_cast<const T*>(a.vc);
+  WgChunkRows<D> rows;
+  if (nchunks > 0) {
+    rows.compute(btab, a.kvh, j, a.bs, 0, kv_end);
+    rows.issue(stages, kc, vc);
+    if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, BN, kv_end);
+  } else {
+    cp_async_commit();
+  }
+
+  // This thread's rows of m64 tile t: t * 64 + 16 * warp + lane / 4 (+ 8); its columns 2 * (lane % 4) (+ 1)
+  // of each 8-column block of an accumulator.
+  const int m0 = 16 * warp + (lane >> 2);
+  float o[MT][C::PANELS][32], mx[MT][2], ls[MT][2];
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      mx[t][hf] = -CUDART_INF_F;
+      ls[t][hf] = 0.f;
+    }
+#pragma unroll
+    for (int p = 0; p < C::PANELS; ++p)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) o[t][p][i] = 0.f;
+  }
+  const uint32_t q_addr = (uint32_t)__cvta_generic_to_shared(qs);
+  const uint32_t st_addr = (uint32_t)__cvta_generic_to_shared(stages);
+
+  for (int c = 0; c < nchunks; ++c) {
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();  // chunk c (and Q) landed; the MMAs of chunk c - 1 are complete (waited below)
+    const int kb = c * BN;
+    if (c + 1 < nchunks) {
+      rows.issue(stages + ((c + 1) & 1) * C::STAGE, kc, vc);
+      if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * BN, kv_end);
+    }
+    const uint32_t k_addr = st_addr + (c & 1) * C::STAGE, v_addr = k_addr + C::KV_BYTES;
+
+    // S = Q K^T for both m64 tiles, one commit group each
+    float s[MT][32];
+    wg_fence();
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+#pragma unroll
+      for (int kk = 0; kk < NKQ; ++kk) {
+        const uint32_t col = (kk & 3) * 32;  // 16 columns of the 64-column panel
+        wgmma_m64n64k16_ss<T>(s[t], wg_desc(q_addr + (kk >> 2) * C::Q_PANEL + t * 64 * 128 + col, 16, 1024),
+                              wg_desc(k_addr + (kk >> 2) * C::KV_PANEL + col, 16, 1024), kk > 0);
+      }
+      wg_commit();
+    }
+
+    const bool masked = kb + BN > min(kv_end, pos0 + 1);
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      wg_wait<1>();  // tile t's S is ready (t = 0: tile 1's may run on; t = 1: tile 0's P V may)
+      wg_pin(s[t]);
+      // scale (log2 units), mask, online softmax; a row's 64 keys sit in the 4 lanes of its quad
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float cm = -CUDART_INF_F;
+        const int m = t * 64 + m0 + 8 * hf;
+        const int lim = m < M ? min(kv_end, pos0 + m / g + 1) : 0;  // padding rows see no key
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float v = s[t][nb * 4 + hf * 2 + e] * a.scale_log2;
+            if (masked && kb + nb * 8 + 2 * (lane & 3) + e >= lim) v = -CUDART_INF_F;
+            s[t][nb * 4 + hf * 2 + e] = v;
+            cm = fmaxf(cm, v);
+          }
+        cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 1));
+        cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 2));
+        const float m_new = fmaxf(mx[t][hf], cm);
+        const float al = m_new == -CUDART_INF_F ? 1.f : exp2f(mx[t][hf] - m_new);
+        mx[t][hf] = m_new;
+        float ps = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = m_new == -CUDART_INF_F ? 0.f : exp2f(s[t][nb * 4 + hf * 2 + e] - m_new);
+            s[t][nb * 4 + hf * 2 + e] = p;
+            ps += p;
+          }
+        ls[t][hf] = ls[t][hf] * al + ps;
+#pragma unroll
+        for (int p = 0; p < C::PANELS; ++p)
+#pragma unroll
+          for (int nb = 0; nb < 8; ++nb) {
+            o[t][p][nb * 4 + hf * 2] *= al;
+            o[t][p][nb * 4 + hf * 2 + 1] *= al;
+          }
+      }
+      // O += P V: P's accumulator layout is the A-register layout, 16 keys per k-step
+      uint32_t pf[NKP][4];
+#pragma unroll
+      for (int kk = 0; kk < NKP; ++kk) {
+        pf[kk][0] = pack2<T>(s[t][8 * kk + 0], s[t][8 * kk + 1]);
+        pf[kk][1] = pack2<T>(s[t][8 * kk + 2], s[t][8 * kk + 3]);
+        pf[kk][2] = pack2<T>(s[t][8 * kk + 4], s[t][8 * kk + 5]);
+        pf[kk][3] = pack2<T>(s[t][8 * kk + 6], s[t][8 * kk + 7]);
+      }
+#pragma unroll
+      for (int p = 0; p < C::PANELS; ++p) wg_pin(o[t][p]);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < NKP; ++kk)
+#pragma unroll
+        for (int p = 0; p < C::PANELS; ++p)
+          wgmma_m64n64k16_rs_tb<T>(o[t][p], pf[kk], wg_desc(v_addr + p * C::KV_PANEL + kk * 16 * 128, C::KV_PANEL, 1024));
+      wg_commit();
+    }
+    wg_wait<0>();  // this stage's K and V are free for the copies of chunk c + 2
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int p = 0; p < C::PANELS; ++p) wg_pin(o[t][p]);
+  }
+
+  cp_async_wait_all();  // nothing left in flight into smem the next segment reuses (nchunks 0: Q's copies)
+  // out = O / l (l summed over the quad); rows past M are padding
+  T* out = static_cast<T*>(a.out);
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float l = ls[t][hf];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int m = t * 64 + m0 + 8 * hf;
+      if (m < M) {
+        const int tok = m / g, hh = m - tok * g;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        T* orow = out + ((ts + tok) * a.h + (int64_t)j * g + hh) * D + 2 * (lane & 3);
+#pragma unroll
+        for (int p = 0; p < C::PANELS; ++p)
+#pragma unroll
+          for (int nb = 0; nb < 8; ++nb)
+            *reinterpret_cast<uint32_t*>(orow + p * 64 + nb * 8) =
+                pack2<T>(o[t][p][nb * 4 + hf * 2] * inv, o[t][p][nb * 4 + hf * 2 + 1] * inv);
+      }
+    }
+#endif
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(WgTile<D>::NTH, 2) attn_wgmma_kernel(Args a, int tile_tokens) {
+  pdl_trigger();
+  pdl_wait();
+  extern __shared__ float4 smem4[];
+  // the swizzle pattern repeats every 1024 bytes of the shared address space, from a 1024-aligned address
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem4);
+  uint8_t* smem = reinterpret_cast<uint8_t*>(smem4) + (((base + 1023) & ~1023u) - base);
+  const int64_t t_begin = (int64_t)(gridDim.x - 1 - blockIdx.x) * tile_tokens;  // last tiles first
+  for_each_prefill_segment(a, t_begin, tile_tokens, [&](int r, int64_t t, int64_t end) {
+    wg_segment<T, D>(a, smem, r, t, end);
+  });
+}
+
+}  // namespace
+}  // namespace fdl
