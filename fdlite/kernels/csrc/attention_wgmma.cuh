@@ -65,6 +65,12 @@ __device__ __forceinline__ void wg_wait() {
 }
 // cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// 2^x on the SFU in one instruction (exp2f adds range handling the softmax does not need: 2^-inf = 0 here too).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 // Keeps the compiler from moving reads or writes of accumulators across a wgmma issue or wait.
 template <int N>
 __device__ __forceinline__ void wg_pin(float (&d)[N]) {
@@ -128,7 +134,17 @@ struct WgChunkRows {
   using C = WgTile<D>;
   int row[C::CPT];
 
+  // k0 is a multiple of BN; when bs is too, the chunk is one run of consecutive cache rows (one table lookup)
   __device__ __forceinline__ void compute(const int* btab, int kvh, int j, int bs, int k0, int k_end) {
+    if (bs % C::BN == 0) {
+      const int base = cache_row(btab, kvh, j, bs, k0) - k0;
+#pragma unroll
+      for (int n = 0; n < C::CPT; ++n) {
+        const int kk = k0 + (int)(threadIdx.x + n * C::NTH) / C::VPR;
+        row[n] = kk < k_end ? base + kk : -1;
+      }
+      return;
+    }
 #pragma unroll
     for (int n = 0; n < C::CPT; ++n) {
       const int kk = k0 + (int)(threadIdx.x + n * C::NTH) / C::VPR;
@@ -209,18 +225,18 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, int r, int64_t ts, int6
   const uint32_t q_addr = (uint32_t)__cvta_generic_to_shared(qs);
   const uint32_t st_addr = (uint32_t)__cvta_generic_to_shared(stages);
 
+  // Per chunk c, in issue order: S = Q K^T of both m64 tiles (one commit group each); the copies of chunk c + 1
+  // once the P V products of chunk c - 1 (the last readers of that stage) are done; tile 0's softmax under tile
+  // 1's product, then tile 0's P V; tile 1's softmax under tile 0's P V, then tile 1's P V, left in flight into
+  // the next chunk's barrier and S products. Groups complete in order, so a wait for a tile's S also covers the
+  // P V products before it (whose accumulators the softmax rescales).
   for (int c = 0; c < nchunks; ++c) {
     cp_async_wait_all();
     fence_proxy_async();
-    __syncthreads();  // chunk c (and Q) landed; the MMAs of chunk c - 1 are complete (waited below)
+    __syncthreads();  // chunk c (and Q) landed in every thread's copies
     const int kb = c * BN;
-    if (c + 1 < nchunks) {
-      rows.issue(stages + ((c + 1) & 1) * C::STAGE, kc, vc);
-      if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * BN, kv_end);
-    }
     const uint32_t k_addr = st_addr + (c & 1) * C::STAGE, v_addr = k_addr + C::KV_BYTES;
 
-    // S = Q K^T for both m64 tiles, one commit group each
     float s[MT][32];
     wg_fence();
 #pragma unroll
@@ -233,13 +249,21 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, int r, int64_t ts, int6
       }
       wg_commit();
     }
+    if (c + 1 < nchunks) {
+      wg_wait<MT>();  // chunk c - 1's P V products are done: its stage takes chunk c + 1
+      rows.issue(stages + ((c + 1) & 1) * C::STAGE, kc, vc);
+      if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * BN, kv_end);
+    }
 
     const bool masked = kb + BN > min(kv_end, pos0 + 1);
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
       wg_wait<1>();  // tile t's S is ready (t = 0: tile 1's may run on; t = 1: tile 0's P V may)
       wg_pin(s[t]);
-      // scale (log2 units), mask, online softmax; a row's 64 keys sit in the 4 lanes of its quad
+#pragma unroll
+      for (int p = 0; p < C::PANELS; ++p) wg_pin(o[t][p]);
+      // online softmax over raw scores (the scale is positive: it commutes with max), probabilities as
+      // exp2(s * scale - max * scale); a row's 64 keys sit in the 4 lanes of its quad
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         float cm = -CUDART_INF_F;
@@ -249,24 +273,24 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, int r, int64_t ts, int6
         for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            float v = s[t][nb * 4 + hf * 2 + e] * a.scale_log2;
+            float& v = s[t][nb * 4 + hf * 2 + e];
             if (masked && kb + nb * 8 + 2 * (lane & 3) + e >= lim) v = -CUDART_INF_F;
-            s[t][nb * 4 + hf * 2 + e] = v;
             cm = fmaxf(cm, v);
           }
         cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 1));
         cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 2));
         const float m_new = fmaxf(mx[t][hf], cm);
-        const float al = m_new == -CUDART_INF_F ? 1.f : exp2f(mx[t][hf] - m_new);
+        const float al = m_new == -CUDART_INF_F ? 1.f : fast_exp2((mx[t][hf] - m_new) * a.scale_log2);
         mx[t][hf] = m_new;
+        const float sub = m_new == -CUDART_INF_F ? 0.f : m_new * a.scale_log2;  // all masked so far: p = 0
         float ps = 0.f;
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float p = m_new == -CUDART_INF_F ? 0.f : exp2f(s[t][nb * 4 + hf * 2 + e] - m_new);
-            s[t][nb * 4 + hf * 2 + e] = p;
-            ps += p;
+            float& v = s[t][nb * 4 + hf * 2 + e];
+            v = fast_exp2(fmaf(v, a.scale_log2, -sub));
+            ps += v;
           }
         ls[t][hf] = ls[t][hf] * al + ps;
 #pragma unroll
@@ -296,12 +320,12 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, int r, int64_t ts, int6
           wgmma_m64n64k16_rs_tb<T>(o[t][p], pf[kk], wg_desc(v_addr + p * C::KV_PANEL + kk * 16 * 128, C::KV_PANEL, 1024));
       wg_commit();
     }
-    wg_wait<0>();  // this stage's K and V are free for the copies of chunk c + 2
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-      for (int p = 0; p < C::PANELS; ++p) wg_pin(o[t][p]);
   }
+  wg_wait<0>();
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int p = 0; p < C::PANELS; ++p) wg_pin(o[t][p]);
 
   cp_async_wait_all();  // nothing left in flight into smem the next segment reuses (nchunks 0: Q's copies)
   // out = O / l (l summed over the quad); rows past M are padding
