@@ -9,12 +9,13 @@
 // without ldmatrix and at twice mma.sync's rate.
 //
 // Work split as in the mma.sync kernel (so graphs replay it for any batch of the captured token count): grid
-// (ceil(T / tile_tokens), kv_heads), blocks in reverse; a block is one warpgroup (128 threads) holding BM = 128
-// query rows (token x query head of one KV head) as two m64 tiles, against chunks of BN = 64 keys streamed
-// through two cp.async stages; two blocks share an SM, so one block's softmax runs under the other's MMAs.
-// Per chunk: S = Q K^T for both m64 tiles is issued at once (A and B from shared memory); the softmax of tile
-// 0 runs while tile 1's product is in flight, then O += P V (P from registers: the S accumulators re-packed
-// as the A operand, V read N-major straight from its [key][d] layout).
+// (ceil(T / tile_tokens), kv_heads), blocks in reverse; a block holds BM = 128 query rows (token x query head of
+// one KV head) and is warp-specialized as FlashAttention-3 is: warpgroup 0 gathers Q and chunks of BN = 64 keys
+// into four shared-memory stages (mbarriers hand each stage over and back), warpgroups 1 and 2 take 64 rows each
+// and never wait for each other, so one's softmax runs under the other's MMAs. Per chunk and computing
+// warpgroup: S = Q K^T (A and B from shared memory), the online softmax in registers, O += P V (P from registers:
+// the S accumulators re-packed as the A operand; V read N-major straight from its [key][d] layout), left in
+// flight until the next chunk's S is issued.
 //
 // Shared-memory layout (all 128-byte swizzled, Swizzle<3,4,3>: the 16-byte piece c of row r sits at piece
 // c ^ (r % 8), in 1024-byte-aligned panels): Q [D / 64 panels][BM rows][64 columns], and per stage K and V
@@ -31,10 +32,13 @@ namespace {
 
 template <int D>
 struct WgTile {
-  static constexpr int NTH = 128;            // one warpgroup
-  static constexpr int MT = 2;               // m64 tiles per block
-  static constexpr int BM = 64 * MT;         // query rows per tile
+  static constexpr int WG = 128;             // threads of a warpgroup
+  static constexpr int CONSUMERS = 2;        // warpgroups computing, 64 query rows each; warpgroup 0 loads
+  static constexpr int NTH = WG * (1 + CONSUMERS);
+  static constexpr int BM = 64 * CONSUMERS;  // query rows per tile
   static constexpr int BN = 64;              // keys per chunk
+  static constexpr int STAGES = 4;           // chunks of K and V in shared memory
+  static constexpr int LAG = 2;              // chunks whose copies the loader keeps in flight before signalling
   static constexpr int PANELS = D / 64;      // 64-column (128-byte) panels of a row
   static constexpr int VPR = D / 8;          // 16-byte pieces per row
   static constexpr int Q_PANEL = BM * 128;   // bytes of one panel of Q
@@ -42,10 +46,36 @@ struct WgTile {
   static constexpr int KV_BYTES = PANELS * KV_PANEL;
   static constexpr int STAGE = 2 * KV_BYTES; // K then V
   static constexpr int Q_BYTES = PANELS * Q_PANEL;
-  static constexpr int CPT = BN * VPR / NTH; // 16-byte copies per thread per chunk, of K and of V each
-  static_assert(BN * VPR % NTH == 0, "chunk must split evenly over the block");
-  static constexpr size_t bytes = (size_t)Q_BYTES + 2 * STAGE + 1024;  // + room to align the base to 1024
+  static constexpr int CPT = BN * VPR / WG;  // 16-byte copies per loader thread per chunk, of K and of V each
+  static_assert(BN * VPR % WG == 0, "chunk must split evenly over the loader");
+  static_assert(LAG < STAGES, "the loader must signal a chunk before it waits for that chunk's stage");
+  // Q | stages | mbarriers (full[STAGES], empty[STAGES]), + room to align the base to 1024
+  static constexpr size_t BAR_OFF = (size_t)Q_BYTES + (size_t)STAGES * STAGE;
+  static constexpr size_t bytes = BAR_OFF + 2 * STAGES * 8 + 1024;
 };
+
+// mbarriers in shared memory (addresses in the shared window).
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Returns once the phase of parity `parity` has completed (a phase not yet begun counts as the previous one).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Byte offset of 16-byte piece `c` (0-7) of row `r` in a 128-byte-swizzled panel.
 __device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
@@ -127,36 +157,36 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_tb<__half>(float (&d)[32], co
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// Cache rows of the keys this thread copies for the chunk starting at k0 (-1: past k_end), computed one chunk
-// ahead of the copy (as MmaChunkRows); the copies land swizzled.
+// Cache rows of the keys a loader thread copies for the chunk starting at k0 (-1: past k_end), computed one chunk
+// ahead of the copy (as MmaChunkRows); the copies land swizzled. `tid`: the thread's index in the loader warpgroup.
 template <int D>
 struct WgChunkRows {
   using C = WgTile<D>;
   int row[C::CPT];
 
   // k0 is a multiple of BN; when bs is too, the chunk is one run of consecutive cache rows (one table lookup)
-  __device__ __forceinline__ void compute(const int* btab, int kvh, int j, int bs, int k0, int k_end) {
+  __device__ __forceinline__ void compute(int tid, const int* btab, int kvh, int j, int bs, int k0, int k_end) {
     if (bs % C::BN == 0) {
       const int base = cache_row(btab, kvh, j, bs, k0) - k0;
 #pragma unroll
       for (int n = 0; n < C::CPT; ++n) {
-        const int kk = k0 + (int)(threadIdx.x + n * C::NTH) / C::VPR;
+        const int kk = k0 + (tid + n * C::WG) / C::VPR;
         row[n] = kk < k_end ? base + kk : -1;
       }
       return;
     }
 #pragma unroll
     for (int n = 0; n < C::CPT; ++n) {
-      const int kk = k0 + (int)(threadIdx.x + n * C::NTH) / C::VPR;
+      const int kk = k0 + (tid + n * C::WG) / C::VPR;
       row[n] = kk < k_end ? cache_row(btab, kvh, j, bs, kk) : -1;
     }
   }
 
   template <typename T>
-  __device__ __forceinline__ void issue(uint8_t* stage, const T* kc, const T* vc) const {
+  __device__ __forceinline__ void issue(int tid, uint8_t* stage, const T* kc, const T* vc) const {
 #pragma unroll
     for (int n = 0; n < C::CPT; ++n) {
-      const int i = threadIdx.x + n * C::NTH;
+      const int i = tid + n * C::WG;
       const int kr = i / C::VPR, c = i - kr * C::VPR;
       const bool valid = row[n] >= 0;  // invalid: zero-filled (V rows must not be NaN: 0 * NaN)
       const int off = (c >> 3) * C::KV_PANEL + sw128(kr, c & 7);
@@ -167,203 +197,223 @@ struct WgChunkRows {
   }
 };
 
+// The block's pipeline position, carried across its segments: chunks handed through the stages so far (chunk i
+// uses stage i % STAGES; its barriers' phase is i / STAGES).
+struct WgPipe {
+  uint32_t bars;  // shared address of full[0]; empty[s] at bars + 8 (STAGES + s)
+  int it;
+};
+
+// One row segment (tokens [ts, te) of row r, all of them prefill tokens) on the block's three warpgroups:
+// warpgroup 0 gathers Q and the K / V chunks (cp.async, swizzled) into the stages and marks each full; warpgroups
+// 1 and 2 each take 64 query rows, wait for a chunk, run S = Q K^T, the online softmax and O += P V on it and
+// mark its stage empty once their P V is done. The two computing warpgroups never wait for each other, so one's
+// softmax runs under the other's MMAs; the loader runs up to STAGES chunks ahead.
 template <typename T, int D>
-__device__ void wg_segment(const Args& a, uint8_t* smem, int r, int64_t ts, int64_t te) {
+__device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, int64_t ts, int64_t te) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = WgTile<D>;
-  constexpr int BN = C::BN, MT = C::MT, NKQ = D / 16, NKP = BN / 16;
+  constexpr int BN = C::BN, S = C::STAGES, NKQ = D / 16, NKP = BN / 16;
   const int j = blockIdx.y, g = a.g;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wg = threadIdx.x / C::WG, tid = threadIdx.x % C::WG;
+  const int lane = threadIdx.x & 31, warp = tid >> 5;
   const int row_start = a.cu[r], q_len = a.cu[r + 1] - row_start, kv_len = a.seq_lens[r];
   const int ntok = (int)(te - ts), M = ntok * g;
   const int pos0 = kv_len - q_len + (int)(ts - row_start);  // position of the segment's first token
   const int kv_end = max(0, min(kv_len, pos0 + ntok));
   const int nchunks = (kv_end + BN - 1) / BN;
-
+  const int it0 = pipe.it;
+  pipe.it += nchunks;
   uint8_t* qs = smem;
   uint8_t* stages = smem + C::Q_BYTES;
+  const uint32_t full0 = pipe.bars, empty0 = pipe.bars + 8 * S;
 
-  __syncthreads();  // the previous segment is done with smem
-  // Q rows (token-major, the g heads of KV head j for each token), zeros past M; one commit group with the
-  // first K/V chunk.
-  const T* q = static_cast<const T*>(a.q);
-  for (int i = threadIdx.x; i < C::BM * C::VPR; i += C::NTH) {
-    const int m = i / C::VPR, c = i - m * C::VPR;
-    const bool valid = m < M;
-    const int tok = valid ? m / g : 0, hh = valid ? m - tok * g : 0;
-    cp_async16(qs + (c >> 3) * C::Q_PANEL + sw128(m, c & 7), q + ((ts + tok) * a.h + (int64_t)j * g + hh) * D + c * 8,
-               valid);
-  }
-  const int* btab = a.block_tables + (int64_t)r * a.max_blocks;
-  const T* kc = static_cast<const T*>(a.kc);
-  const T* vc = static_cast<const T*>(a.vc);
-  WgChunkRows<D> rows;
-  if (nchunks > 0) {
-    rows.compute(btab, a.kvh, j, a.bs, 0, kv_end);
-    rows.issue(stages, kc, vc);
-    if (nchunks > 1) rows.compute(btab, a.kvh, j, a.bs, BN, kv_end);
-  } else {
-    cp_async_commit();
-  }
-
-  // This thread's rows of m64 tile t: t * 64 + 16 * warp + lane / 4 (+ 8); its columns 2 * (lane % 4) (+ 1)
-  // of each 8-column block of an accumulator.
-  const int m0 = 16 * warp + (lane >> 2);
-  float o[MT][C::PANELS][32], mx[MT][2], ls[MT][2];
-#pragma unroll
-  for (int t = 0; t < MT; ++t) {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      mx[t][hf] = -CUDART_INF_F;
-      ls[t][hf] = 0.f;
+  if (wg == 0) {  // ------------------------------------------------------------------------------------ loader
+    if (nchunks == 0) return;  // no key: the rows' outputs are zeros, Q is not needed
+    // Q is rewritten only once the previous segment's last chunk is released (its MMAs read Q too)
+    if (it0 > 0) mbar_wait(empty0 + 8 * ((it0 - 1) % S), ((it0 - 1) / S) & 1);
+    const T* q = static_cast<const T*>(a.q);
+    for (int i = tid; i < C::BM * C::VPR; i += C::WG) {
+      const int m = i / C::VPR, c = i - m * C::VPR;
+      const bool valid = m < M;  // zeros past M
+      const int tok = valid ? m / g : 0, hh = valid ? m - tok * g : 0;
+      cp_async16(qs + (c >> 3) * C::Q_PANEL + sw128(m, c & 7),
+                 q + ((ts + tok) * a.h + (int64_t)j * g + hh) * D + c * 8, valid);
+    }  // (committed with chunk 0: Q is complete when chunk 0 is)
+    const int* btab = a.block_tables + (int64_t)r * a.max_blocks;
+    const T* kc = static_cast<const T*>(a.kc);
+    const T* vc = static_cast<const T*>(a.vc);
+    WgChunkRows<D> rows;
+    rows.compute(tid, btab, a.kvh, j, a.bs, 0, kv_end);
+    for (int c = 0; c < nchunks; ++c) {
+      const int i = it0 + c;
+      mbar_wait(empty0 + 8 * (i % S), ((i / S) & 1) ^ 1);  // chunk i - S released its stage
+      rows.issue(tid, stages + (i % S) * C::STAGE, kc, vc);
+      if (c + 1 < nchunks) rows.compute(tid, btab, a.kvh, j, a.bs, (c + 1) * BN, kv_end);
+      if (c >= C::LAG) {  // chunk c - LAG has landed: make it visible to the MMAs (async proxy), mark it full
+        cp_async_wait<C::LAG>();
+        fence_proxy_async();
+        mbar_arrive(full0 + 8 * ((i - C::LAG) % S));
+      }
     }
-#pragma unroll
-    for (int p = 0; p < C::PANELS; ++p)
-#pragma unroll
-      for (int i = 0; i < 32; ++i) o[t][p][i] = 0.f;
+    for (int c = max(0, nchunks - C::LAG); c < nchunks; ++c) {
+      if (nchunks - 1 - c >= 1) cp_async_wait<1>();
+      else cp_async_wait<0>();
+      fence_proxy_async();
+      mbar_arrive(full0 + 8 * ((it0 + c) % S));
+    }
+    return;
   }
-  const uint32_t q_addr = (uint32_t)__cvta_generic_to_shared(qs);
+
+  // ------------------------------------------------------------------------------------------- computing warpgroups
+  // This thread's rows: (wg - 1) * 64 + 16 * warp + lane / 4 (+ 8); its columns 2 * (lane % 4) (+ 1) of each
+  // 8-column block of an accumulator.
+  const int m0 = (wg - 1) * 64 + 16 * warp + (lane >> 2);
+  float o[C::PANELS][32], mx[2], ls[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    mx[hf] = -CUDART_INF_F;
+    ls[hf] = 0.f;
+  }
+#pragma unroll
+  for (int p = 0; p < C::PANELS; ++p)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[p][i] = 0.f;
+  const uint32_t q_addr = (uint32_t)__cvta_generic_to_shared(qs) + (wg - 1) * 64 * 128;
   const uint32_t st_addr = (uint32_t)__cvta_generic_to_shared(stages);
 
-  // Per chunk c, in issue order: S = Q K^T of both m64 tiles (one commit group each); the copies of chunk c + 1
-  // once the P V products of chunk c - 1 (the last readers of that stage) are done; tile 0's softmax under tile
-  // 1's product, then tile 0's P V; tile 1's softmax under tile 0's P V, then tile 1's P V, left in flight into
-  // the next chunk's barrier and S products. Groups complete in order, so a wait for a tile's S also covers the
-  // P V products before it (whose accumulators the softmax rescales).
   for (int c = 0; c < nchunks; ++c) {
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();  // chunk c (and Q) landed in every thread's copies
-    const int kb = c * BN;
-    const uint32_t k_addr = st_addr + (c & 1) * C::STAGE, v_addr = k_addr + C::KV_BYTES;
-
-    float s[MT][32];
+    const int i = it0 + c, kb = c * BN;
+    const uint32_t k_addr = st_addr + (i % S) * C::STAGE, v_addr = k_addr + C::KV_BYTES;
+    mbar_wait(full0 + 8 * (i % S), (i / S) & 1);
+    float s[32];
     wg_fence();
 #pragma unroll
-    for (int t = 0; t < MT; ++t) {
+    for (int kk = 0; kk < NKQ; ++kk) {
+      const uint32_t col = (kk & 3) * 32;  // 16 columns of the 64-column panel
+      wgmma_m64n64k16_ss<T>(s, wg_desc(q_addr + (kk >> 2) * C::Q_PANEL + col, 16, 1024),
+                            wg_desc(k_addr + (kk >> 2) * C::KV_PANEL + col, 16, 1024), kk > 0);
+    }
+    wg_commit();
+    if (c > 0) {  // chunk c - 1's P V (in flight until now) is done: release its stage
+      wg_wait<1>();
+      if (lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % S));
+    }
+    wg_wait<0>();
+    wg_pin(s);
 #pragma unroll
-      for (int kk = 0; kk < NKQ; ++kk) {
-        const uint32_t col = (kk & 3) * 32;  // 16 columns of the 64-column panel
-        wgmma_m64n64k16_ss<T>(s[t], wg_desc(q_addr + (kk >> 2) * C::Q_PANEL + t * 64 * 128 + col, 16, 1024),
-                              wg_desc(k_addr + (kk >> 2) * C::KV_PANEL + col, 16, 1024), kk > 0);
-      }
-      wg_commit();
-    }
-    if (c + 1 < nchunks) {
-      wg_wait<MT>();  // chunk c - 1's P V products are done: its stage takes chunk c + 1
-      rows.issue(stages + ((c + 1) & 1) * C::STAGE, kc, vc);
-      if (c + 2 < nchunks) rows.compute(btab, a.kvh, j, a.bs, kb + 2 * BN, kv_end);
-    }
+    for (int p = 0; p < C::PANELS; ++p) wg_pin(o[p]);
 
+    // online softmax over raw scores (the scale is positive: it commutes with max), probabilities as
+    // exp2(s * scale - max * scale); a row's 64 keys sit in the 4 lanes of its quad
     const bool masked = kb + BN > min(kv_end, pos0 + 1);
 #pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      wg_wait<1>();  // tile t's S is ready (t = 0: tile 1's may run on; t = 1: tile 0's P V may)
-      wg_pin(s[t]);
+    for (int hf = 0; hf < 2; ++hf) {
+      float cm = -CUDART_INF_F;
+      const int m = m0 + 8 * hf;
+      const int lim = m < M ? min(kv_end, pos0 + m / g + 1) : 0;  // padding rows see no key
 #pragma unroll
-      for (int p = 0; p < C::PANELS; ++p) wg_pin(o[t][p]);
-      // online softmax over raw scores (the scale is positive: it commutes with max), probabilities as
-      // exp2(s * scale - max * scale); a row's 64 keys sit in the 4 lanes of its quad
+      for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        float cm = -CUDART_INF_F;
-        const int m = t * 64 + m0 + 8 * hf;
-        const int lim = m < M ? min(kv_end, pos0 + m / g + 1) : 0;  // padding rows see no key
+        for (int e = 0; e < 2; ++e) {
+          float& v = s[nb * 4 + hf * 2 + e];
+          if (masked && kb + nb * 8 + 2 * (lane & 3) + e >= lim) v = -CUDART_INF_F;
+          cm = fmaxf(cm, v);
+        }
+      cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 1));
+      cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 2));
+      const float m_new = fmaxf(mx[hf], cm);
+      const float al = m_new == -CUDART_INF_F ? 1.f : fast_exp2((mx[hf] - m_new) * a.scale_log2);
+      mx[hf] = m_new;
+      const float sub = m_new == -CUDART_INF_F ? 0.f : m_new * a.scale_log2;  // all masked so far: p = 0
+      float ps = 0.f;
 #pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
+      for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& v = s[t][nb * 4 + hf * 2 + e];
-            if (masked && kb + nb * 8 + 2 * (lane & 3) + e >= lim) v = -CUDART_INF_F;
-            cm = fmaxf(cm, v);
-          }
-        cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 1));
-        cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 2));
-        const float m_new = fmaxf(mx[t][hf], cm);
-        const float al = m_new == -CUDART_INF_F ? 1.f : fast_exp2((mx[t][hf] - m_new) * a.scale_log2);
-        mx[t][hf] = m_new;
-        const float sub = m_new == -CUDART_INF_F ? 0.f : m_new * a.scale_log2;  // all masked so far: p = 0
-        float ps = 0.f;
+        for (int e = 0; e < 2; ++e) {
+          float& v = s[nb * 4 + hf * 2 + e];
+          v = fast_exp2(fmaf(v, a.scale_log2, -sub));
+          ps += v;
+        }
+      ls[hf] = ls[hf] * al + ps;
 #pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
+      for (int p = 0; p < C::PANELS; ++p)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& v = s[t][nb * 4 + hf * 2 + e];
-            v = fast_exp2(fmaf(v, a.scale_log2, -sub));
-            ps += v;
-          }
-        ls[t][hf] = ls[t][hf] * al + ps;
-#pragma unroll
-        for (int p = 0; p < C::PANELS; ++p)
-#pragma unroll
-          for (int nb = 0; nb < 8; ++nb) {
-            o[t][p][nb * 4 + hf * 2] *= al;
-            o[t][p][nb * 4 + hf * 2 + 1] *= al;
-          }
-      }
-      // O += P V: P's accumulator layout is the A-register layout, 16 keys per k-step
-      uint32_t pf[NKP][4];
-#pragma unroll
-      for (int kk = 0; kk < NKP; ++kk) {
-        pf[kk][0] = pack2<T>(s[t][8 * kk + 0], s[t][8 * kk + 1]);
-        pf[kk][1] = pack2<T>(s[t][8 * kk + 2], s[t][8 * kk + 3]);
-        pf[kk][2] = pack2<T>(s[t][8 * kk + 4], s[t][8 * kk + 5]);
-        pf[kk][3] = pack2<T>(s[t][8 * kk + 6], s[t][8 * kk + 7]);
-      }
-#pragma unroll
-      for (int p = 0; p < C::PANELS; ++p) wg_pin(o[t][p]);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < NKP; ++kk)
-#pragma unroll
-        for (int p = 0; p < C::PANELS; ++p)
-          wgmma_m64n64k16_rs_tb<T>(o[t][p], pf[kk], wg_desc(v_addr + p * C::KV_PANEL + kk * 16 * 128, C::KV_PANEL, 1024));
-      wg_commit();
+        for (int nb = 0; nb < 8; ++nb) {
+          o[p][nb * 4 + hf * 2] *= al;
+          o[p][nb * 4 + hf * 2 + 1] *= al;
+        }
     }
+    // O += P V: P's accumulator layout is the A-register layout, 16 keys per k-step; left in flight
+    uint32_t pf[NKP][4];
+#pragma unroll
+    for (int kk = 0; kk < NKP; ++kk) {
+      pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+      pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+#pragma unroll
+    for (int p = 0; p < C::PANELS; ++p) wg_pin(o[p]);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < NKP; ++kk)
+#pragma unroll
+      for (int p = 0; p < C::PANELS; ++p)
+        wgmma_m64n64k16_rs_tb<T>(o[p], pf[kk], wg_desc(v_addr + p * C::KV_PANEL + kk * 16 * 128, C::KV_PANEL, 1024));
+    wg_commit();
   }
-  wg_wait<0>();
+  if (nchunks > 0) {
+    wg_wait<0>();
+    if (lane == 0) mbar_arrive(empty0 + 8 * ((it0 + nchunks - 1) % S));
+  }
 #pragma unroll
-  for (int t = 0; t < MT; ++t)
-#pragma unroll
-    for (int p = 0; p < C::PANELS; ++p) wg_pin(o[t][p]);
+  for (int p = 0; p < C::PANELS; ++p) wg_pin(o[p]);
 
-  cp_async_wait_all();  // nothing left in flight into smem the next segment reuses (nchunks 0: Q's copies)
   // out = O / l (l summed over the quad); rows past M are padding
   T* out = static_cast<T*>(a.out);
 #pragma unroll
-  for (int t = 0; t < MT; ++t)
+  for (int hf = 0; hf < 2; ++hf) {
+    float l = ls[hf];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int m = m0 + 8 * hf;
+    if (m < M) {
+      const int tok = m / g, hh = m - tok * g;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* orow = out + ((ts + tok) * a.h + (int64_t)j * g + hh) * D + 2 * (lane & 3);
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float l = ls[t][hf];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int m = t * 64 + m0 + 8 * hf;
-      if (m < M) {
-        const int tok = m / g, hh = m - tok * g;
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        T* orow = out + ((ts + tok) * a.h + (int64_t)j * g + hh) * D + 2 * (lane & 3);
+      for (int p = 0; p < C::PANELS; ++p)
 #pragma unroll
-        for (int p = 0; p < C::PANELS; ++p)
-#pragma unroll
-          for (int nb = 0; nb < 8; ++nb)
-            *reinterpret_cast<uint32_t*>(orow + p * 64 + nb * 8) =
-                pack2<T>(o[t][p][nb * 4 + hf * 2] * inv, o[t][p][nb * 4 + hf * 2 + 1] * inv);
-      }
+        for (int nb = 0; nb < 8; ++nb)
+          *reinterpret_cast<uint32_t*>(orow + p * 64 + nb * 8) =
+              pack2<T>(o[p][nb * 4 + hf * 2] * inv, o[p][nb * 4 + hf * 2 + 1] * inv);
     }
+  }
 #endif
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(WgTile<D>::NTH, 2) attn_wgmma_kernel(Args a, int tile_tokens) {
+__global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, int tile_tokens) {
+  using C = WgTile<D>;
   pdl_trigger();
-  pdl_wait();
   extern __shared__ float4 smem4[];
   // the swizzle pattern repeats every 1024 bytes of the shared address space, from a 1024-aligned address
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem4);
   uint8_t* smem = reinterpret_cast<uint8_t*>(smem4) + (((base + 1023) & ~1023u) - base);
+  WgPipe pipe{(uint32_t)__cvta_generic_to_shared(smem + C::BAR_OFF), 0};
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::STAGES; ++s) {
+      mbar_init(pipe.bars + 8 * s, C::WG);                     // full: every loader thread arrives
+      mbar_init(pipe.bars + 8 * (C::STAGES + s), 4 * C::CONSUMERS);  // empty: one arrival per computing warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  pdl_wait();
   const int64_t t_begin = (int64_t)(gridDim.x - 1 - blockIdx.x) * tile_tokens;  // last tiles first
   for_each_prefill_segment(a, t_begin, tile_tokens, [&](int r, int64_t t, int64_t end) {
-    wg_segment<T, D>(a, smem, r, t, end);
+    wg_segment<T, D>(a, smem, pipe, r, t, end);
   });
 }
 
