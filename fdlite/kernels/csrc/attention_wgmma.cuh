@@ -207,7 +207,7 @@ struct WgPipe {
 // One row segment (tokens [ts, te) of row r, all of them prefill tokens) on the block's three warpgroups:
 // warpgroup 0 gathers Q and the K / V chunks (cp.async, swizzled) into the stages and marks each full; warpgroups
 // 1 and 2 each take 64 query rows, wait for a chunk, run S = Q K^T, the online softmax and O += P V on it and
-// mark its stage empty once their P V is done. The two computing warpgroups never wait for each other, so one's
+// mark its stage empty once their P V is done (every thread arrives: no divergent branch among the MMAs). The two computing warpgroups never wait for each other, so one's
 // softmax runs under the other's MMAs; the loader runs up to STAGES chunks ahead.
 template <typename T, int D>
 __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, int64_t ts, int64_t te) {
@@ -215,7 +215,8 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, in
   using C = WgTile<D>;
   constexpr int BN = C::BN, S = C::STAGES, NKQ = D / 16, NKP = BN / 16;
   const int j = blockIdx.y, g = a.g;
-  const int wg = threadIdx.x / C::WG, tid = threadIdx.x % C::WG;
+  // the role is warp-uniform, and ptxas must see that: a wgmma after a branch it thinks divergent is serialized
+  const int wg = __shfl_sync(0xffffffffu, threadIdx.x / C::WG, 0), tid = threadIdx.x % C::WG;
   const int lane = threadIdx.x & 31, warp = tid >> 5;
   const int row_start = a.cu[r], q_len = a.cu[r + 1] - row_start, kv_len = a.seq_lens[r];
   const int ntok = (int)(te - ts), M = ntok * g;
@@ -297,7 +298,7 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, in
     wg_commit();
     if (c > 0) {  // chunk c - 1's P V (in flight until now) is done: release its stage
       wg_wait<1>();
-      if (lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % S));
+      mbar_arrive(empty0 + 8 * ((i - 1) % S));
     }
     wg_wait<0>();
     wg_pin(s);
@@ -365,7 +366,7 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, in
   }
   if (nchunks > 0) {
     wg_wait<0>();
-    if (lane == 0) mbar_arrive(empty0 + 8 * ((it0 + nchunks - 1) % S));
+    mbar_arrive(empty0 + 8 * ((it0 + nchunks - 1) % S));
   }
 #pragma unroll
   for (int p = 0; p < C::PANELS; ++p) wg_pin(o[p]);
@@ -405,7 +406,7 @@ __global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, i
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
       mbar_init(pipe.bars + 8 * s, C::WG);                     // full: every loader thread arrives
-      mbar_init(pipe.bars + 8 * (C::STAGES + s), 4 * C::CONSUMERS);  // empty: one arrival per computing warp
+      mbar_init(pipe.bars + 8 * (C::STAGES + s), C::WG * C::CONSUMERS);  // empty: every computing thread arrives
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
