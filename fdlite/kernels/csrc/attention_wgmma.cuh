@@ -72,6 +72,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
+// Named barriers 1 and 2 (0 is __syncthreads) order the two computing warpgroups' MMA issues (see wg_segment).
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -162,19 +169,21 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_tb<__half>(float (&d)[32], co
 template <int D>
 struct WgChunkRows {
   using C = WgTile<D>;
+  static constexpr int KSTEP = C::WG / C::VPR;  // keys between a thread's successive copies
   int row[C::CPT];
+  int run;     // bs a multiple of BN: the cache row of the chunk's first key (its keys are consecutive rows); else -1
+  int nvalid;  // keys of the chunk before k_end
 
-  // k0 is a multiple of BN; when bs is too, the chunk is one run of consecutive cache rows (one table lookup)
+  // k0 is a multiple of BN; when bs is too, the chunk is one run of consecutive cache rows: one table lookup,
+  // and the copies step through source and destination by constant strides (the loader's issue rate bounds
+  // the kernel otherwise)
   __device__ __forceinline__ void compute(int tid, const int* btab, int kvh, int j, int bs, int k0, int k_end) {
+    nvalid = min(C::BN, k_end - k0);
     if (bs % C::BN == 0) {
-      const int base = cache_row(btab, kvh, j, bs, k0) - k0;
-#pragma unroll
-      for (int n = 0; n < C::CPT; ++n) {
-        const int kk = k0 + (tid + n * C::WG) / C::VPR;
-        row[n] = kk < k_end ? base + kk : -1;
-      }
+      run = cache_row(btab, kvh, j, bs, k0);
       return;
     }
+    run = -1;
 #pragma unroll
     for (int n = 0; n < C::CPT; ++n) {
       const int kk = k0 + (tid + n * C::WG) / C::VPR;
@@ -184,14 +193,27 @@ struct WgChunkRows {
 
   template <typename T>
   __device__ __forceinline__ void issue(int tid, uint8_t* stage, const T* kc, const T* vc) const {
+    const int kr0 = tid / C::VPR, c = tid - kr0 * C::VPR;
+    // this thread's pieces: keys kr0 + n KSTEP, piece c; kr0 + n KSTEP has kr0's swizzle phase (KSTEP % 8 == 0)
+    static_assert(KSTEP % 8 == 0, "the swizzle phase must repeat across a thread's copies");
+    uint8_t* dst = stage + (c >> 3) * C::KV_PANEL + sw128(kr0, c & 7);
+    if (run >= 0) {
+      const int64_t off = (int64_t)(run + kr0) * D + c * 8;
 #pragma unroll
-    for (int n = 0; n < C::CPT; ++n) {
-      const int i = tid + n * C::WG;
-      const int kr = i / C::VPR, c = i - kr * C::VPR;
-      const bool valid = row[n] >= 0;  // invalid: zero-filled (V rows must not be NaN: 0 * NaN)
-      const int off = (c >> 3) * C::KV_PANEL + sw128(kr, c & 7);
-      cp_async16(stage + off, valid ? kc + (int64_t)row[n] * D + c * 8 : kc, valid);
-      cp_async16(stage + C::KV_BYTES + off, valid ? vc + (int64_t)row[n] * D + c * 8 : vc, valid);
+      for (int n = 0; n < C::CPT; ++n) {
+        const bool valid = kr0 + n * KSTEP < nvalid;  // invalid: zero-filled (V rows must not be NaN: 0 * NaN)
+        const int64_t o = off + (int64_t)n * KSTEP * D;
+        cp_async16(dst + n * KSTEP * 128, valid ? kc + o : kc, valid);
+        cp_async16(dst + C::KV_BYTES + n * KSTEP * 128, valid ? vc + o : vc, valid);
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < C::CPT; ++n) {
+        const bool valid = row[n] >= 0;
+        const int64_t o = (int64_t)row[n] * D + c * 8;
+        cp_async16(dst + n * KSTEP * 128, valid ? kc + o : kc, valid);
+        cp_async16(dst + C::KV_BYTES + n * KSTEP * 128, valid ? vc + o : vc, valid);
+      }
     }
     cp_async_commit();
   }
@@ -270,6 +292,12 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, in
   // This thread's rows: (wg - 1) * 64 + 16 * warp + lane / 4 (+ 8); its columns 2 * (lane % 4) (+ 1) of each
   // 8-column block of an accumulator.
   const int m0 = (wg - 1) * 64 + 16 * warp + (lane >> 2);
+  int lim[2];  // the keys row m0 + 8 hf may see end before lim[hf]; padding rows (past M) see none
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int m = m0 + 8 * hf;
+    lim[hf] = m < M ? min(kv_end, pos0 + m / g + 1) : 0;
+  }
   float o[C::PANELS][32], mx[2], ls[2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
@@ -287,6 +315,9 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, in
     const int i = it0 + c, kb = c * BN;
     const uint32_t k_addr = st_addr + (i % S) * C::STAGE, v_addr = k_addr + C::KV_BYTES;
     mbar_wait(full0 + 8 * (i % S), (i / S) & 1);
+    // Ping-pong (FlashAttention-3): the two warpgroups take turns issuing S = Q K^T, so one's softmax runs while
+    // the other's MMAs do, instead of both waiting for the same chunk and then both computing softmax at once.
+    named_bar_sync(wg, 2 * C::WG);  // my turn (the other warpgroup arrived after its issue)
     float s[32];
     wg_fence();
 #pragma unroll
@@ -296,6 +327,7 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, in
                             wg_desc(k_addr + (kk >> 2) * C::KV_PANEL + col, 16, 1024), kk > 0);
     }
     wg_commit();
+    named_bar_arrive(3 - wg, 2 * C::WG);  // the other warpgroup's turn
     if (c > 0) {  // chunk c - 1's P V (in flight until now) is done: release its stage
       wg_wait<1>();
       mbar_arrive(empty0 + 8 * ((i - 1) % S));
@@ -306,37 +338,41 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, in
     for (int p = 0; p < C::PANELS; ++p) wg_pin(o[p]);
 
     // online softmax over raw scores (the scale is positive: it commutes with max), probabilities as
-    // exp2(s * scale - max * scale); a row's 64 keys sit in the 4 lanes of its quad
-    const bool masked = kb + BN > min(kv_end, pos0 + 1);
+    // exp2(s * scale - max * scale); a row's 64 keys sit in the 4 lanes of its quad. Only chunks reaching past
+    // the first row's last key are masked (a branch uniform over the block).
+    if (kb + BN > min(kv_end, pos0 + 1)) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (kb + nb * 8 + 2 * (lane & 3) + e >= lim[hf]) s[nb * 4 + hf * 2 + e] = -CUDART_INF_F;
+    }
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float cm = -CUDART_INF_F;
-      const int m = m0 + 8 * hf;
-      const int lim = m < M ? min(kv_end, pos0 + m / g + 1) : 0;  // padding rows see no key
+      float cm[4];  // four partial maxima: short dependency chains
 #pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& v = s[nb * 4 + hf * 2 + e];
-          if (masked && kb + nb * 8 + 2 * (lane & 3) + e >= lim) v = -CUDART_INF_F;
-          cm = fmaxf(cm, v);
-        }
-      cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 1));
-      cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 2));
-      const float m_new = fmaxf(mx[hf], cm);
+      for (int q4 = 0; q4 < 4; ++q4)
+        cm[q4] = fmaxf(fmaxf(s[(2 * q4) * 4 + hf * 2], s[(2 * q4) * 4 + hf * 2 + 1]),
+                       fmaxf(s[(2 * q4 + 1) * 4 + hf * 2], s[(2 * q4 + 1) * 4 + hf * 2 + 1]));
+      float m_c = fmaxf(fmaxf(cm[0], cm[1]), fmaxf(cm[2], cm[3]));
+      m_c = fmaxf(m_c, __shfl_xor_sync(0xffffffffu, m_c, 1));
+      m_c = fmaxf(m_c, __shfl_xor_sync(0xffffffffu, m_c, 2));
+      const float m_new = fmaxf(mx[hf], m_c);
       const float al = m_new == -CUDART_INF_F ? 1.f : fast_exp2((mx[hf] - m_new) * a.scale_log2);
       mx[hf] = m_new;
       const float sub = m_new == -CUDART_INF_F ? 0.f : m_new * a.scale_log2;  // all masked so far: p = 0
-      float ps = 0.f;
+      float ps[2] = {0.f, 0.f};
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& v = s[nb * 4 + hf * 2 + e];
           v = fast_exp2(fmaf(v, a.scale_log2, -sub));
-          ps += v;
+          ps[nb & 1] += v;
         }
-      ls[hf] = ls[hf] * al + ps;
+      ls[hf] = ls[hf] * al + (ps[0] + ps[1]);
 #pragma unroll
       for (int p = 0; p < C::PANELS; ++p)
 #pragma unroll
@@ -412,10 +448,13 @@ __global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, i
   }
   __syncthreads();
   pdl_wait();
+  const int wg = __shfl_sync(0xffffffffu, threadIdx.x / C::WG, 0);
+  if (wg == 2) named_bar_arrive(1, 2 * C::WG);  // warpgroup 1 issues first
   const int64_t t_begin = (int64_t)(gridDim.x - 1 - blockIdx.x) * tile_tokens;  // last tiles first
   for_each_prefill_segment(a, t_begin, tile_tokens, [&](int r, int64_t t, int64_t end) {
     wg_segment<T, D>(a, smem, pipe, r, t, end);
   });
+  if (wg == 1) named_bar_sync(1, 2 * C::WG);  // takes warpgroup 2's last arrival (or the first one)
 }
 
 }  // namespace
