@@ -45,13 +45,13 @@ struct WgTile {
   static constexpr int KV_PANEL = BN * 128;  // bytes of one panel of a K or V chunk
   static constexpr int KV_BYTES = PANELS * KV_PANEL;
   static constexpr int STAGE = 2 * KV_BYTES; // K then V
-  static constexpr int Q_BYTES = PANELS * Q_PANEL;
+  static constexpr int Q_BYTES = PANELS * Q_PANEL;  // one of two Q buffers (segments alternate)
   static constexpr int CPT = BN * VPR / WG;  // 16-byte copies per loader thread per chunk, of K and of V each
   static_assert(BN * VPR % WG == 0, "chunk must split evenly over the loader");
   static_assert(LAG < STAGES, "the loader must signal a chunk before it waits for that chunk's stage");
-  // Q | stages | mbarriers (full[STAGES], empty[STAGES]), + room to align the base to 1024
-  static constexpr size_t BAR_OFF = (size_t)Q_BYTES + (size_t)STAGES * STAGE;
-  static constexpr size_t bytes = BAR_OFF + 2 * STAGES * 8 + 1024;
+  // Q x 2 | stages | mbarriers (full[STAGES], empty[STAGES], q_empty[2]), + room to align the base to 1024
+  static constexpr size_t BAR_OFF = 2 * (size_t)Q_BYTES + (size_t)STAGES * STAGE;
+  static constexpr size_t bytes = BAR_OFF + (2 * STAGES + 2) * 8 + 1024;
 };
 
 // mbarriers in shared memory (addresses in the shared window).
@@ -219,11 +219,13 @@ struct WgChunkRows {
   }
 };
 
-// The block's pipeline position, carried across its segments: chunks handed through the stages so far (chunk i
-// uses stage i % STAGES; its barriers' phase is i / STAGES).
+// The block's pipeline position, carried across its tiles and segments: chunks handed through the stages so far
+// (chunk i uses stage i % STAGES; its barriers' phase is i / STAGES) and segments with keys so far (segment q
+// uses Q buffer q % 2, released through q_empty[q % 2] in phase q / 2).
 struct WgPipe {
-  uint32_t bars;  // shared address of full[0]; empty[s] at bars + 8 (STAGES + s)
+  uint32_t bars;  // shared address of full[0]; empty[s] at bars + 8 (STAGES + s); q_empty[b] at bars + 8 (2 STAGES + b)
   int it;
+  int sq;
 };
 
 // One row segment (tokens [ts, te) of row r, all of them prefill tokens) on the block's three warpgroups:
@@ -232,11 +234,11 @@ struct WgPipe {
 // mark its stage empty once their P V is done (every thread arrives: no divergent branch among the MMAs). The two computing warpgroups never wait for each other, so one's
 // softmax runs under the other's MMAs; the loader runs up to STAGES chunks ahead.
 template <typename T, int D>
-__device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, int64_t ts, int64_t te) {
+__device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, int r, int64_t ts, int64_t te) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = WgTile<D>;
   constexpr int BN = C::BN, S = C::STAGES, NKQ = D / 16, NKP = BN / 16;
-  const int j = blockIdx.y, g = a.g;
+  const int g = a.g;
   // the role is warp-uniform, and ptxas must see that: a wgmma after a branch it thinks divergent is serialized
   const int wg = __shfl_sync(0xffffffffu, threadIdx.x / C::WG, 0), tid = threadIdx.x % C::WG;
   const int lane = threadIdx.x & 31, warp = tid >> 5;
@@ -245,16 +247,18 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, in
   const int pos0 = kv_len - q_len + (int)(ts - row_start);  // position of the segment's first token
   const int kv_end = max(0, min(kv_len, pos0 + ntok));
   const int nchunks = (kv_end + BN - 1) / BN;
-  const int it0 = pipe.it;
+  const int it0 = pipe.it, sq = pipe.sq;
   pipe.it += nchunks;
-  uint8_t* qs = smem;
-  uint8_t* stages = smem + C::Q_BYTES;
-  const uint32_t full0 = pipe.bars, empty0 = pipe.bars + 8 * S;
+  pipe.sq += nchunks > 0;
+  uint8_t* qs = smem + (sq & 1) * C::Q_BYTES;
+  uint8_t* stages = smem + 2 * C::Q_BYTES;
+  const uint32_t full0 = pipe.bars, empty0 = pipe.bars + 8 * S, q_empty = pipe.bars + 8 * (2 * S + (sq & 1));
 
   if (wg == 0) {  // ------------------------------------------------------------------------------------ loader
     if (nchunks == 0) return;  // no key: the rows' outputs are zeros, Q is not needed
-    // Q is rewritten only once the previous segment's last chunk is released (its MMAs read Q too)
-    if (it0 > 0) mbar_wait(empty0 + 8 * ((it0 - 1) % S), ((it0 - 1) / S) & 1);
+    // this Q buffer is free once the segment two before is done (so the next tile's Q and first chunks load
+    // while the computing warpgroups finish this one)
+    mbar_wait(q_empty, ((sq >> 1) & 1) ^ 1);
     const T* q = static_cast<const T*>(a.q);
     for (int i = tid; i < C::BM * C::VPR; i += C::WG) {
       const int m = i / C::VPR, c = i - m * C::VPR;
@@ -403,6 +407,7 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, in
   if (nchunks > 0) {
     wg_wait<0>();
     mbar_arrive(empty0 + 8 * ((it0 + nchunks - 1) % S));
+    mbar_arrive(q_empty);  // this segment's Q is no longer read
   }
 #pragma unroll
   for (int p = 0; p < C::PANELS; ++p) wg_pin(o[p]);
@@ -430,6 +435,8 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int r, in
 #endif
 }
 
+// Persistent: grid (min(SMs, tiles x kv_heads)); block b takes work items b, b + gridDim.x, ... (item i: tile
+// ntiles - 1 - i / kvh, the longest last tiles first, of KV head i % kvh), one pipeline across all of them.
 template <typename T, int D>
 __global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, int tile_tokens) {
   using C = WgTile<D>;
@@ -438,22 +445,27 @@ __global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, i
   // the swizzle pattern repeats every 1024 bytes of the shared address space, from a 1024-aligned address
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem4);
   uint8_t* smem = reinterpret_cast<uint8_t*>(smem4) + (((base + 1023) & ~1023u) - base);
-  WgPipe pipe{(uint32_t)__cvta_generic_to_shared(smem + C::BAR_OFF), 0};
+  WgPipe pipe{(uint32_t)__cvta_generic_to_shared(smem + C::BAR_OFF), 0, 0};
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
-      mbar_init(pipe.bars + 8 * s, C::WG);                     // full: every loader thread arrives
+      mbar_init(pipe.bars + 8 * s, C::WG);                               // full: every loader thread arrives
       mbar_init(pipe.bars + 8 * (C::STAGES + s), C::WG * C::CONSUMERS);  // empty: every computing thread arrives
     }
+    for (int b = 0; b < 2; ++b) mbar_init(pipe.bars + 8 * (2 * C::STAGES + b), C::WG * C::CONSUMERS);  // q_empty
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   pdl_wait();
   const int wg = __shfl_sync(0xffffffffu, threadIdx.x / C::WG, 0);
   if (wg == 2) named_bar_arrive(1, 2 * C::WG);  // warpgroup 1 issues first
-  const int64_t t_begin = (int64_t)(gridDim.x - 1 - blockIdx.x) * tile_tokens;  // last tiles first
-  for_each_prefill_segment(a, t_begin, tile_tokens, [&](int r, int64_t t, int64_t end) {
-    wg_segment<T, D>(a, smem, pipe, r, t, end);
-  });
+  const int64_t ntiles = (a.T + tile_tokens - 1) / tile_tokens;
+  for (int64_t item = blockIdx.x; item < ntiles * a.kvh; item += gridDim.x) {
+    const int j = (int)(item % a.kvh);
+    const int64_t t_begin = (ntiles - 1 - item / a.kvh) * tile_tokens;
+    for_each_prefill_segment(a, t_begin, tile_tokens, [&](int r, int64_t t, int64_t end) {
+      wg_segment<T, D>(a, smem, pipe, j, r, t, end);
+    });
+  }
   if (wg == 1) named_bar_sync(1, 2 * C::WG);  // takes warpgroup 2's last arrival (or the first one)
 }
 

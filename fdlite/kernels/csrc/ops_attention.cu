@@ -672,7 +672,8 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
         init_wg = true;
       }
       const int tile_tokens = WgTile<mma_d>::BM / a.g;
-      launch("attn_wgmma_kernel", attn_wgmma_kernel<T, mma_d>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh),
+      const int64_t items = ceil_div(a.T, tile_tokens) * a.kvh;  // persistent: one block per SM at most
+      launch("attn_wgmma_kernel", attn_wgmma_kernel<T, mma_d>, dim3((unsigned)std::min<int64_t>(items, num_sms())),
              WgTile<mma_d>::NTH, WgTile<mma_d>::bytes, s, false, a, tile_tokens);
       FDL_CHECK_LAUNCH("fdl_paged_attention (wgmma tile kernel)");
       return;
