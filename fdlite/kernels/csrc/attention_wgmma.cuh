@@ -49,9 +49,13 @@ struct WgTile {
   static constexpr int CPT = BN * VPR / WG;  // 16-byte copies per loader thread per chunk, of K and of V each
   static_assert(BN * VPR % WG == 0, "chunk must split evenly over the loader");
   static_assert(LAG < STAGES, "the loader must signal a chunk before it waits for that chunk's stage");
-  // Q x 2 | stages | mbarriers (full[STAGES], empty[STAGES], q_empty[2]), + room to align the base to 1024
+  static constexpr int ITEMS = 4;            // work items handed from the loader to the computing warpgroups
+  // Q x 2 | stages | mbarriers (full[STAGES], empty[STAGES], q_empty[2], item_full[ITEMS], item_empty[ITEMS]) |
+  // item ring (int[ITEMS]), + room to align the base to 1024
   static constexpr size_t BAR_OFF = 2 * (size_t)Q_BYTES + (size_t)STAGES * STAGE;
-  static constexpr size_t bytes = BAR_OFF + (2 * STAGES + 2) * 8 + 1024;
+  static constexpr int NBARS = 2 * STAGES + 2 + 2 * ITEMS;
+  static constexpr size_t ITEM_OFF = BAR_OFF + NBARS * 8;
+  static constexpr size_t bytes = ITEM_OFF + ITEMS * 4 + 1024;
 };
 
 // mbarriers in shared memory (addresses in the shared window).
@@ -435,10 +439,13 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
 #endif
 }
 
-// Persistent: grid (min(SMs, tiles x kv_heads)); block b takes work items b, b + gridDim.x, ... (item i: tile
-// ntiles - 1 - i / kvh, the longest last tiles first, of KV head i % kvh), one pipeline across all of them.
+// Persistent: grid (min(SMs, tiles x kv_heads)), one pipeline per block across all its work. Work items are
+// taken from a global counter (sched[0], dynamic: causal tiles differ 32-fold in work), item i being tile
+// ntiles - 1 - i / kvh (the longest last tiles first) of KV head i % kvh; the loader's first thread takes each
+// and hands it to the computing warpgroups through a ring in shared memory. The last block to finish zeroes the
+// counters (sched[1] counts finished blocks), so the next launch, or graph replay, starts from zero.
 template <typename T, int D>
-__global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, int tile_tokens) {
+__global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, int tile_tokens, int* sched) {
   using C = WgTile<D>;
   pdl_trigger();
   extern __shared__ float4 smem4[];
@@ -446,20 +453,42 @@ __global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, i
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem4);
   uint8_t* smem = reinterpret_cast<uint8_t*>(smem4) + (((base + 1023) & ~1023u) - base);
   WgPipe pipe{(uint32_t)__cvta_generic_to_shared(smem + C::BAR_OFF), 0, 0};
+  const uint32_t item_full = pipe.bars + 8 * (2 * C::STAGES + 2), item_empty = item_full + 8 * C::ITEMS;
+  volatile int* ring = reinterpret_cast<volatile int*>(smem + C::ITEM_OFF);
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
       mbar_init(pipe.bars + 8 * s, C::WG);                               // full: every loader thread arrives
       mbar_init(pipe.bars + 8 * (C::STAGES + s), C::WG * C::CONSUMERS);  // empty: every computing thread arrives
     }
     for (int b = 0; b < 2; ++b) mbar_init(pipe.bars + 8 * (2 * C::STAGES + b), C::WG * C::CONSUMERS);  // q_empty
+    for (int n = 0; n < C::ITEMS; ++n) {
+      mbar_init(item_full + 8 * n, 1);
+      mbar_init(item_empty + 8 * n, C::WG * C::CONSUMERS);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   pdl_wait();
   const int wg = __shfl_sync(0xffffffffu, threadIdx.x / C::WG, 0);
   if (wg == 2) named_bar_arrive(1, 2 * C::WG);  // warpgroup 1 issues first
-  const int64_t ntiles = (a.T + tile_tokens - 1) / tile_tokens;
-  for (int64_t item = blockIdx.x; item < ntiles * a.kvh; item += gridDim.x) {
+  const int64_t ntiles = (a.T + tile_tokens - 1) / tile_tokens, total = ntiles * a.kvh;
+  for (int n = 0;; ++n) {
+    const int slot = n % C::ITEMS;
+    int64_t item;
+    if (wg == 0) {
+      if (threadIdx.x == 0) {
+        mbar_wait(item_empty + 8 * slot, ((n / C::ITEMS) & 1) ^ 1);
+        ring[slot] = atomicAdd(sched, 1);
+        mbar_arrive(item_full + 8 * slot);
+      }
+      named_bar_sync(3, C::WG);  // the loader's threads: the item is in the ring
+      item = ring[slot];
+    } else {
+      mbar_wait(item_full + 8 * slot, (n / C::ITEMS) & 1);
+      item = ring[slot];
+      mbar_arrive(item_empty + 8 * slot);
+    }
+    if (item >= total) break;
     const int j = (int)(item % a.kvh);
     const int64_t t_begin = (ntiles - 1 - item / a.kvh) * tile_tokens;
     for_each_prefill_segment(a, t_begin, tile_tokens, [&](int r, int64_t t, int64_t end) {
@@ -467,6 +496,13 @@ __global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, i
     });
   }
   if (wg == 1) named_bar_sync(1, 2 * C::WG);  // takes warpgroup 2's last arrival (or the first one)
+  if (threadIdx.x == 0) {  // this block takes no more items; the last one resets the counters
+    __threadfence();
+    if (atomicAdd(sched + 1, 1) == (int)gridDim.x - 1) {
+      sched[0] = 0;
+      sched[1] = 0;
+    }
+  }
 }
 
 }  // namespace

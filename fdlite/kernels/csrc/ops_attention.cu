@@ -561,7 +561,8 @@ namespace fdl {
 namespace {
 
 // Per-device split counters of the decode kernel: allocated and zeroed by the first call (eager: it
-// allocates), kept zero by the kernel itself (each (token, KV head)'s last block resets its entry).
+// allocates), kept zero by the kernel itself (each (token, KV head)'s last block resets its entry); two more
+// after them for the wgmma tile kernel's work queue (next item, finished blocks; its last block resets them).
 constexpr int64_t kMaxCounters = 1 << 16;
 
 int* split_counters(cudaStream_t s) {
@@ -574,8 +575,8 @@ int* split_counters(cudaStream_t s) {
   if (per_device[dev] == nullptr) {
     require_eager(s, "fdl_paged_attention: the first call on a device must run eagerly (it allocates the split counters)");
     int* p = nullptr;
-    FDL_CHECK_CUDA(cudaMalloc(&p, kMaxCounters * sizeof(int)), "fdl_paged_attention: counters cudaMalloc");
-    FDL_CHECK_CUDA(cudaMemsetAsync(p, 0, kMaxCounters * sizeof(int), s), "fdl_paged_attention: counters cudaMemset");
+    FDL_CHECK_CUDA(cudaMalloc(&p, (kMaxCounters + 2) * sizeof(int)), "fdl_paged_attention: counters cudaMalloc");
+    FDL_CHECK_CUDA(cudaMemsetAsync(p, 0, (kMaxCounters + 2) * sizeof(int), s), "fdl_paged_attention: counters cudaMemset");
     note_foreign_work();
     per_device[dev] = p;
   }
@@ -674,7 +675,7 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
       const int tile_tokens = WgTile<mma_d>::BM / a.g;
       const int64_t items = ceil_div(a.T, tile_tokens) * a.kvh;  // persistent: one block per SM at most
       launch("attn_wgmma_kernel", attn_wgmma_kernel<T, mma_d>, dim3((unsigned)std::min<int64_t>(items, num_sms())),
-             WgTile<mma_d>::NTH, WgTile<mma_d>::bytes, s, false, a, tile_tokens);
+             WgTile<mma_d>::NTH, WgTile<mma_d>::bytes, s, false, a, tile_tokens, a.counters + kMaxCounters);
       FDL_CHECK_LAUNCH("fdl_paged_attention (wgmma tile kernel)");
       return;
     }
