@@ -760,6 +760,33 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_repository_hygiene.py",),
         "new",
     ),
+    Mutation(
+        "wgmma-never-built",
+        "The ops build for sm_90a without telling the host side, so the wgmma prefill attention never launches",
+        (Edit("fdlite/kernels/build.py",
+              "    if \"90a\" in tc.archs:  # the host side may launch the wgmma kernels (ops_attention.cu: wgmma_ready)\n",
+              "    if \"90a\" in tc.archs and False:  # MUTATION\n"),),
+        ("tests/test_gpu_ops_cpu.py::test_build_flags_name_each_arch_and_the_cache_key_follows_sources",),
+        "new",
+    ),
+    Mutation(
+        "attn-kernel-default-mma-sync",
+        "FDLITE_ATTN_MMA defaults to 1: bf16 / fp16 prefill attention stays on mma.sync on Hopper",
+        (Edit("fdlite/envs.py",
+              "    \"FDLITE_ATTN_MMA\": Var(\"2\",",
+              "    \"FDLITE_ATTN_MMA\": Var(\"1\",  # MUTATION\n                          "),),
+        ("tests/test_envs.py::test_attn_kernel_switch_is_zero_one_or_two",),
+        "new",
+    ),
+    Mutation(
+        "cuda-archs-default-plain-90",
+        "The ops are compiled for plain sm_90 by default (no wgmma code)",
+        (Edit("fdlite/kernels/build.py",
+              "    archs: list[str] = field(default_factory=lambda: [\"90a\"])\n",
+              "    archs: list[str] = field(default_factory=lambda: [\"90\"])  # MUTATION\n"),),
+        ("tests/test_gpu_ops_cpu.py::test_build_flags_name_each_arch_and_the_cache_key_follows_sources",),
+        "new",
+    ),
 )
 
 

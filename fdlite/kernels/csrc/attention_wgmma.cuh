@@ -8,14 +8,17 @@
 // 128-byte-swizzled layout TMA would, and a warpgroup-wide MMA then reads Q, K and V from shared memory
 // without ldmatrix and at twice mma.sync's rate.
 //
-// Work split as in the mma.sync kernel (so graphs replay it for any batch of the captured token count): grid
-// (ceil(T / tile_tokens), kv_heads), blocks in reverse; a block holds BM = 128 query rows (token x query head of
-// one KV head) and is warp-specialized as FlashAttention-3 is: warpgroup 0 gathers Q and chunks of BN = 64 keys
-// into four shared-memory stages (mbarriers hand each stage over and back), warpgroups 1 and 2 take 64 rows each
-// and never wait for each other, so one's softmax runs under the other's MMAs. Per chunk and computing
-// warpgroup: S = Q K^T (A and B from shared memory), the online softmax in registers, O += P V (P from registers:
-// the S accumulators re-packed as the A operand; V read N-major straight from its [key][d] layout), left in
-// flight until the next chunk's S is issued.
+// Work split: tiles of BM = 128 query rows (token x query head of one KV head: GQA heads share every K / V byte)
+// over fixed slices of the flat token axis, as in the mma.sync kernel, so graphs replay it for any batch of the
+// captured token count. The grid is persistent (min(SMs, tiles x kv_heads) blocks) and takes (tile, KV head)
+// items from a global queue, longest tiles first (causal tiles differ 32-fold in work). A block is
+// warp-specialized as FlashAttention-3's is: warpgroup 0 gathers Q (two buffers: the next tile's Q loads while
+// the last one's rows finish) and chunks of BN = 64 keys into four shared-memory stages, mbarriers handing each
+// stage over and back; warpgroups 1 and 2 take 64 rows each and take turns issuing their MMAs (ping-pong), so
+// one's softmax runs while the other's MMAs do. Per chunk and computing warpgroup: S = Q K^T (A and B from shared
+// memory), the online softmax in registers, O += P V (P from registers: the S accumulators re-packed as the A
+// operand; V read N-major straight from its [key][d] layout), left in flight until the next chunk's S is issued.
+// Measured against the H100's limits (and the mma.sync kernel) in docs/benchmarks.md.
 //
 // Shared-memory layout (all 128-byte swizzled, Swizzle<3,4,3>: the 16-byte piece c of row r sits at piece
 // c ^ (r % 8), in 1024-byte-aligned panels): Q [D / 64 panels][BM rows][64 columns], and per stage K and V

@@ -24,9 +24,10 @@
 //  - tile ("prefill") kernel, grid (ceil(T / tile_tokens), kvh): each block takes a fixed slice of
 //    the flat token axis and works through the row segments inside it (rows with q_len > 4): query
 //    rows (token x head) against chunks of keys, so K/V are read once per tile, not per token. bf16 /
-//    fp16 at head_dim 64 / 128 use tensor cores (attention_mma.cuh: 128 rows per tile; a row's result
-//    does not depend on the rest of the batch); fp32 and head_dim 256 the CUDA-core kernel below (64
-//    rows against 32-key chunks).
+//    fp16 at head_dim 64 / 128 use tensor cores: on Hopper wgmma (attention_wgmma.cuh: persistent,
+//    warp-specialized blocks taking tiles from a queue), else and for FP8 caches mma.sync
+//    (attention_mma.cuh); 128 rows per tile, and a row's result does not depend on the rest of the batch.
+//    fp32 and head_dim 256 the CUDA-core kernel below (64 rows against 32-key chunks).
 // Both stream K/V chunks through shared memory with cp.async double buffering and keep the online
 // softmax in float32 (scores in log2 units, exp2).
 // FP8 caches (fdl_paged_attention_fp8: uint8 e4m3 bits, a float32 scale per cache row): the per-token kernel
