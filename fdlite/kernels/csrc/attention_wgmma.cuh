@@ -51,7 +51,10 @@ struct WgTile {
   static constexpr int Q_BYTES = PANELS * Q_PANEL;  // one of two Q buffers (segments alternate)
   static constexpr int CPT = BN * VPR / WG;  // 16-byte copies per loader thread per chunk, of K and of V each
   static_assert(BN * VPR % WG == 0, "chunk must split evenly over the loader");
-  static_assert(LAG < STAGES, "the loader must signal a chunk before it waits for that chunk's stage");
+  // the computing warpgroups release chunk c - 1 once chunk c is full (its S issued first), and the loader marks
+  // chunk c full after issuing chunk c + LAG, which needs chunk c + LAG - STAGES released: no cycle iff
+  // LAG <= STAGES - 2
+  static_assert(LAG <= STAGES - 2, "the stage hand-over would deadlock");
   static constexpr int ITEMS = 4;            // work items handed from the loader to the computing warpgroups
   // Q x 2 | stages | mbarriers (full[STAGES], empty[STAGES], q_empty[2], item_full[ITEMS], item_empty[ITEMS]) |
   // item ring (int[ITEMS]), + room to align the base to 1024
