@@ -177,6 +177,15 @@ def find_toolchain(paddle_include: str | None = None, link: bool = True) -> Tool
     return tc
 
 
+def arch_flags(archs: list[str]) -> list[str]:
+    """nvcc's targets for `archs`, and the define that lets the host side launch the wgmma kernels when sm_90a
+    code is among them (ops_attention.cu: wgmma_ready); shared by this build and setup_ops.py."""
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    if "90a" in archs:
+        flags.append("-DFDL_HAVE_SM90A")
+    return flags
+
+
 def nvcc_flags(tc: Toolchain) -> list[str]:
     p = tc.paddle_include
     incs = [p, os.path.join(p, "third_party")]
@@ -188,9 +197,7 @@ def nvcc_flags(tc: Toolchain) -> list[str]:
     flags = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
              "-DPADDLE_WITH_CUDA", "-DEIGEN_USE_GPU", "-DPADDLE_WITH_CUSTOM_KERNEL", "-DPADDLE_NO_PYTHON",
              "-Xptxas", "-warn-spills", "-w"]
-    flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in tc.archs]
-    if "90a" in tc.archs:  # the host side may launch the wgmma kernels (ops_attention.cu: wgmma_ready)
-        flags.append("-DFDL_HAVE_SM90A")
+    flags += arch_flags(tc.archs)
     flags += [f"-I{d}" for d in dict.fromkeys(incs)]
     return flags
 

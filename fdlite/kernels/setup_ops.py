@@ -37,7 +37,7 @@ _spec.loader.exec_module(_build)
 native = _build.native
 CSRC = str(native.CSRC)
 _tc = _build.find_toolchain(link=False)
-GENCODE = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in _tc.archs] + (["-DFDL_HAVE_SM90A"] if "90a" in _tc.archs else [])
+GENCODE = _build.arch_flags(_tc.archs)
 LINK = []
 if _tc.cublas_lib:
     LINK = [f"-L{_tc.cublas_lib}", "-l:" + _build._so_name(_tc.cublas_lib, "libcublasLt"),

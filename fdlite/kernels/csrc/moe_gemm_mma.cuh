@@ -69,11 +69,6 @@ __device__ __forceinline__ void moe_mma_load(const MoeGemmArgs& p, T* smem, int 
   }
 }
 
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 template <typename T, typename C>
 __global__ void __launch_bounds__(C::NTH) moe_gemm_mma_kernel(MoeGemmArgs p) {
   pdl_trigger();

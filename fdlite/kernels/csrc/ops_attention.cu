@@ -631,14 +631,7 @@ int choose_splits(int64_t work, int64_t by_ctx, int64_t slots) {
 // when FDLITE_CUDA_ARCHS holds "90a") and the device is compute capability 9.0, the only one sm_90a code runs on.
 bool wgmma_ready() {
 #if defined(FDL_HAVE_SM90A)
-  static const bool ok = [] {
-    int dev = 0, major = 0, minor = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    return major == 9 && minor == 0;
-  }();
-  return ok;
+  return compute_capability() == 90;
 #else
   return false;
 #endif

@@ -122,16 +122,20 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// The PDL mode (`options().pdl`, ops_options.h) in force: the option on sm_90 and later, else 0.
-inline int pdl_mode() {
-  static const bool hopper = [] {
-    int dev = 0, major = 0;
+// The compute capability of the device current at the first call, as 10 major + minor (90: Hopper).
+inline int compute_capability() {
+  static const int cc = [] {
+    int dev = 0, major = 0, minor = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    return major >= 9;
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    return 10 * major + minor;
   }();
-  return hopper ? options().pdl : 0;
+  return cc;
 }
+
+// The PDL mode (`options().pdl`, ops_options.h) in force: the option on sm_90 and later, else 0.
+inline int pdl_mode() { return compute_capability() >= 90 ? options().pdl : 0; }
 
 inline bool& last_launch_ours() {
   thread_local bool ours = false;
@@ -287,7 +291,12 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // "memory": shared-memory reads after it may not be moved above it (no block barrier needs to follow).
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Until at most N of this thread's most recent commit groups are still in flight (multi-stage pipelines).
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
 
 // ---------------------------------------------------------------- reductions
 __device__ __forceinline__ float warp_sum(float v) {
