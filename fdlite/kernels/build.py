@@ -10,7 +10,7 @@ Why a hand build (nvcc per source, then g++ -shared) with an on-disk cache, rath
 - cpp_extension passes no `-gencode` flags, so nvcc's default target (sm_75 SASS + PTX that the
   driver JIT-compiles at load) would run on Hopper; here the targets are explicit
   (`FDLITE_CUDA_ARCHS`, default "90a": Hopper with its arch-specific wgmma, which the prefill attention
-  uses; sm_90a code runs on compute capability 9.0 only, so other GPUs need their own entry, e.g. "80;90a").
+  and the MoE GEMMs use; sm_90a code runs on compute capability 9.0 only, so other GPUs need their own entry, e.g. "80;90a").
 - It runs setuptools and writes a generated Python module per op (16.9 s for two ops; docs/design.md, "The GPU host framework"), one
   translation unit after another; here the sources compile in parallel and nothing but the .so is
   made, with the same flags against Paddle 2.6 and 3.x headers.
@@ -179,7 +179,7 @@ def find_toolchain(paddle_include: str | None = None, link: bool = True) -> Tool
 
 def arch_flags(archs: list[str]) -> list[str]:
     """nvcc's targets for `archs`, and the define that lets the host side launch the wgmma kernels when sm_90a
-    code is among them (ops_attention.cu: wgmma_ready); shared by this build and setup_ops.py."""
+    code is among them (wgmma.cuh: wgmma_ready); shared by this build and setup_ops.py."""
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     if "90a" in archs:
         flags.append("-DFDL_HAVE_SM90A")

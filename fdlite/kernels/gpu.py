@@ -525,7 +525,9 @@ def logprobs(logits, rows, targets, target_of, k: int):
 
 # ------------------------------------------------------------------ (h) mixture of experts (ops_moe*.cu)
 MOE_MAX_EXPERTS = 1024
-MOE_BLOCK_M = (0, 16, 64)  # 0: the kernels choose (16 while experts average at most 16 rows, else 64)
+# 0: the kernels choose (16 while experts average at most 16 rows; 128, the wgmma kernels, for bf16 / fp16 on an
+# sm_90 GPU from 64 rows on average; else 64); 128 forced needs bf16 / fp16 on sm_90
+MOE_BLOCK_M = (0, 16, 64, 128)
 
 
 def moe_route(logits, top_k: int, renormalize: bool, norm_min: float = 0.0, correction_bias=None,
@@ -567,7 +569,8 @@ def moe_align(ids, num_experts: int, block_m: int = 0):
 def moe_experts(x, ids, weights, w13, w2, block_m: int = 0):
     """The routed experts: out [T, H] = sum over j of weights[t, j] * expert ids[t, j]'s SwiGLU MLP of x[t].
     x [T, H]; ids [T, k] int32, weights [T, k] float32 (`moe_route`); w13 [E, 2I, H] (each expert's gate rows
-    then up rows) and w2 [E, H, I]: [E, out, in], x's dtype; H and I multiples of 8. See ops_moe.cu."""
+    then up rows) and w2 [E, H, I]: [E, out, in], x's dtype; H and I multiples of 8. block_m: the GEMMs' M tile
+    (`MOE_BLOCK_M`; side-by-side measurements and checks force one). See ops_moe.cu."""
     _check(x, "x", FLOAT_DTYPES, ndim=2)
     _check(ids, "ids", ("int32",), ndim=2)
     _check(weights, "weights", ("float32",), ndim=2)

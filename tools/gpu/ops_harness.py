@@ -108,6 +108,10 @@ RES["info"]["import_and_register_s"] = round(time.time() - t, 1)
 from paddle.device.cuda.graphs import CUDAGraph  # noqa: E402
 
 props = paddle.device.cuda.get_device_properties(0)
+# whether the library's wgmma kernels run here (wgmma.cuh's wgmma_ready: sm_90a code built, an sm_90 GPU)
+from fdlite import envs  # noqa: E402
+
+WGMMA = "90a" in envs.FDLITE_CUDA_ARCHS and (props.major, props.minor) == (9, 0)
 RES["info"]["device"] = {"name": props.name, "total_memory_GiB": round(props.total_memory / 2**30, 1),
                          "sms": props.multi_processor_count, "cc": [props.major, props.minor],
                          "paddle": paddle.__version__, "paddle_cuda": paddle.version.cuda(),

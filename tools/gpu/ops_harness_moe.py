@@ -84,7 +84,7 @@ def checks(h) -> None:
         return f
 
     for T, E, k in ((1, 8, 1), (3, 8, 2), (17, 64, 8), (256, 64, 6), (1000, 128, 8), (4096, 128, 8)):
-        for bm in (0, 16, 64):
+        for bm in (0, 16, 64, 128):
             for kind in ("random", "uneven", "one", "idle"):
                 check(f"moe_align T={T} E={E} k={k} block_m={bm} routing={kind}", t_align(T, E, k, bm, kind))
 
@@ -101,8 +101,11 @@ def checks(h) -> None:
             want = ref.experts(x, ids, w, w13, w2, rnd=(lambda a: a) if dt == "float32" else (lambda a: q(a, dt).astype(np.float64)))
             err = relerr(got, want)
             tol = h.TOL[dt] * (1 if dt == "float32" else 2)
-            return err <= tol, err, tol, f"BM={bm or ref.block_m(T * k, E)}"
+            return err <= tol, err, tol, f"BM={bm or auto_block_m(T * k, E, dt)}"
         return f
+
+    def auto_block_m(n, E, dt):  # ops_moe.cu's choice for fdl_moe_experts (128 needs sm_90a code: the H100)
+        return 128 if dt != "float32" and h.WGMMA and n >= 64 * E else ref.block_m(n, E)
 
     for dt in h.DTYPES:
         for T in (1, 3, 17, 256, 1000):
@@ -113,9 +116,16 @@ def checks(h) -> None:
         for bm in (16, 64):
             check(f"moe_experts {dt} forced block_m={bm} T=300 E=8 k=2 routing=one", t_experts(300, 8, 2, 64, 32, dt, "one", bm))
         check(f"moe_experts {dt} Qwen3-30B-A3B widths T=33 (2048/768, E=16, k=8)", t_experts(33, 16, 8, 2048, 768, dt, "random"))
+        if dt != "float32" and h.WGMMA:  # the wgmma kernels (128-row tiles), forced at sizes auto would not pick
+            for T, E, k, H, I, kind in ((1, 8, 2, 256, 128, "random"), (29, 8, 2, 136, 40, "uneven"),
+                                         (300, 8, 2, 64, 32, "one"), (1000, 64, 8, 256, 128, "idle"),
+                                         (300, 16, 8, 2048, 768, "random"), (200, 8, 6, 2560, 1536, "uneven")):
+                check(f"moe_experts {dt} wgmma block_m=128 T={T} E={E} k={k} H={H} I={I} routing={kind}",
+                      t_experts(T, E, k, H, I, dt, kind, 128))
 
-    def t_row_alone(dt, E=64, k=6, H=256, I=128):
-        """A token's output alone equals its row in a batch of 300, bitwise (BM 16 vs 64: the same K order)."""
+    def t_row_alone(dt, E=64, k=6, H=256, I=128, bm=0):
+        """A token's output alone equals its row in a batch of 300, bitwise (BM 16 vs 64: the same K order; the
+        wgmma kernels forced for both: a token's sums do not depend on the other rows of its tile)."""
         def f():
             T = 300
             ids = routing("random", T, E, k, rng)
@@ -123,16 +133,18 @@ def checks(h) -> None:
             x = q(rng.standard_normal((T, H)), dt)
             w13 = to_gpu(q(rng.standard_normal((E, 2 * I, H)) / 16, dt), dt)
             w2 = to_gpu(q(rng.standard_normal((E, H, I)) / 12, dt), dt)
-            full = to_np(G.moe_experts(to_gpu(x, dt), to_gpu(ids, "int32"), to_gpu(w, "float32"), w13, w2))
+            full = to_np(G.moe_experts(to_gpu(x, dt), to_gpu(ids, "int32"), to_gpu(w, "float32"), w13, w2, bm))
             rows = [0, 7, 299]
             alone = np.stack([to_np(G.moe_experts(to_gpu(x[r:r + 1], dt), to_gpu(ids[r:r + 1], "int32"),
-                                                  to_gpu(w[r:r + 1], "float32"), w13, w2))[0] for r in rows])
+                                                  to_gpu(w[r:r + 1], "float32"), w13, w2, bm))[0] for r in rows])
             ok = np.array_equal(alone, full[rows])
             return ok, 0.0 if ok else relerr(alone, full[rows]), 0, "rows 0, 7, 299"
         return f
 
     for dt in h.DTYPES:
         check(f"moe_experts {dt}: a token alone = in a batch of 300, bitwise", t_row_alone(dt))
+        if dt != "float32" and h.WGMMA:
+            check(f"moe_experts {dt} wgmma: a token alone = in a batch of 300, bitwise", t_row_alone(dt, bm=128))
 
     def t_graph(dt, T=17, E=64, k=8, H=256, I=128):
         """route + experts captured once, replayed on three new routings (new logits written in place): each replay
@@ -173,9 +185,12 @@ def checks(h) -> None:
 
     for dt in h.DTYPES:
         check(f"graph: moe_route + moe_experts {dt}, 3 replays with new routings = eager", t_graph(dt))
+        if dt != "float32" and h.WGMMA:  # 300 x 2 rows over 8 experts: the wgmma kernels (auto)
+            check(f"graph: moe_route + moe_experts {dt} wgmma (T=300 E=8 k=2), 3 replays = eager",
+                  t_graph(dt, T=300, E=8, k=2))
 
 
-def _layer_case(h, name, H, I, E, k, shared, T, sets=4):
+def _layer_case(h, name, H, I, E, k, shared, T, sets=4, block_m=0):
     """One MoE layer (gate GEMM + route + experts, + the shared-expert MLP when the model has one) at T tokens:
     GPU time per call from graph replays, cycling `sets` random router inputs so the experts touched differ."""
     G, rng, to_gpu, empty = h.G, h.rng, h.to_gpu, h.empty
@@ -195,7 +210,7 @@ def _layer_case(h, name, H, I, E, k, shared, T, sets=4):
     def fn():
         x = xs[i[0] % sets]
         ids, w = G.moe_route(G.linear(x, gate, None, True, static_w=True), k, True, 1e-12)
-        G.moe_experts(x, ids, w, w13, w2)
+        G.moe_experts(x, ids, w, w13, w2, block_m)
         if sh is not None:
             G.linear(G.silu_and_mul(G.linear(x, sh[0], None, True, static_w=True)), sh[1], None, True, static_w=True)
         i[0] += 1
@@ -210,11 +225,11 @@ def _layer_case(h, name, H, I, E, k, shared, T, sets=4):
     abytes = T * H * 2 * 2 + T * k * (2 * I + 2 * H) * 2  # x, out; act and y written and read
     flops = 2 * T * (E * H + k * 3 * H * I + 3 * H * shared)
     roof = max((wbytes + abytes) / h.HBM, flops / PEAK_BF16)
-    row = {"model": name, "T": T, "us": round(us, 1), "tokens_per_s": round(T / us * 1e6),
+    row = {"model": name, "T": T, "block_m": block_m or "auto", "us": round(us, 1), "tokens_per_s": round(T / us * 1e6),
            "experts_touched": round(n_touched, 1), "GB_s": round((wbytes + abytes) / us / 1e3),
            "TFLOP_s": round(flops / us / 1e6, 1), "roofline_us": round(roof * 1e6, 1),
            "frac_of_roofline": round(roof * 1e6 / us, 3)}
-    h.log(f"  moe layer {name:18s} T={T:5d}: {us:9.1f} us {row['tokens_per_s']:9d} tok/s {row['GB_s']:6d} GB/s "
+    h.log(f"  moe layer {name:18s} T={T:5d} block_m={row['block_m']!s:4s}: {us:9.1f} us {row['tokens_per_s']:9d} tok/s {row['GB_s']:6d} GB/s "
           f"{row['TFLOP_s']:6.1f} TFLOP/s, {n_touched:5.1f} experts; roofline {row['roofline_us']} us "
           f"({row['frac_of_roofline']:.0%})")
     return row
@@ -229,4 +244,6 @@ def bench_decode(h):
 
 
 def bench_prefill(h):
-    return [_layer_case(h, *s, 4096, sets=2) for s in SHAPES]
+    """Prefill token counts, the mma.sync kernels (block_m 64) beside the automatic choice (the wgmma kernels on
+    the H100)."""
+    return [_layer_case(h, *s, T, sets=2, block_m=bm) for s in SHAPES for T in (1024, 4096, 8192) for bm in (64, 0)]

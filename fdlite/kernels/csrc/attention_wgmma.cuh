@@ -29,6 +29,7 @@
 #pragma once
 
 #include "mma_sync.cuh"
+#include "wgmma.cuh"
 
 namespace fdl {
 namespace {
@@ -64,101 +65,12 @@ struct WgTile {
   static constexpr size_t bytes = ITEM_OFF + ITEMS * 4 + 1024;
 };
 
-// mbarriers in shared memory (addresses in the shared window).
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Returns once the phase of parity `parity` has completed (a phase not yet begun counts as the previous one).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// Named barriers 1 and 2 (0 is __syncthreads) order the two computing warpgroups' MMA issues (see wg_segment).
-__device__ __forceinline__ void named_bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
-// Byte offset of 16-byte piece `c` (0-7) of row `r` in a 128-byte-swizzled panel.
-__device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
-
-// wgmma shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets
-// (16-byte units; the leading offset matters only for N-major operands wider than one panel).
-__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
-         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // 2^x on the SFU in one instruction (exp2f adds range handling the softmax does not need: 2^-inf = 0 here too).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-// Keeps the compiler from moving reads or writes of accumulators across a wgmma issue or wait.
-template <int N>
-__device__ __forceinline__ void wg_pin(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// d (64 x 64, fp32) (+)= A (64 x 16, K-major in smem) * B (16 x 64, K-major in smem); scale_d 0: d = A B.
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t da, uint64_t db, int scale_d);
-// d (64 x 64, fp32) += A (64 x 16, registers) * B (16 x 64, N-major in smem).
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float (&d)[32], const uint32_t (&a)[4], uint64_t db);
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// One definition per element type: inline PTX needs the type's name as a literal (PT: "bf16" or "f16").
-#define FDL_WGMMA_M64N64K16(T, PT)                                                                          \
-  template <>                                                                                               \
-  __device__ __forceinline__ void wgmma_m64n64k16_ss<T>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) { \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                 \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." PT "." PT " "                                 \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}" ", %32, %33, p, 1, 1, 0, 0;\n}\n"      \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),    \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                                               \
-                 : "l"(da), "l"(db), "r"(scale_d));                                                          \
-  }                                                                                                         \
-  template <>                                                                                               \
-  __device__ __forceinline__ void wgmma_m64n64k16_rs_tb<T>(float (&d)[32], const uint32_t (&a)[4], uint64_t db) { \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                 \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." PT "." PT " "                                 \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}" ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),    \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                                               \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));                             \
-  }
-FDL_WGMMA_M64N64K16(__nv_bfloat16, "bf16")
-FDL_WGMMA_M64N64K16(__half, "f16")
-#undef FDL_WGMMA_M64N64K16
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // Cache rows of the keys a loader thread copies for the chunk starting at k0 (-1: past k_end), computed one chunk
 // ahead of the copy (as MmaChunkRows); the copies land swizzled. `tid`: the thread's index in the loader warpgroup.

@@ -627,16 +627,6 @@ int choose_splits(int64_t work, int64_t by_ctx, int64_t slots) {
   return best;
 }
 
-// Whether the wgmma tile kernel can run: the library was compiled for sm_90a (FDL_HAVE_SM90A, set by build.py
-// when FDLITE_CUDA_ARCHS holds "90a") and the device is compute capability 9.0, the only one sm_90a code runs on.
-bool wgmma_ready() {
-#if defined(FDL_HAVE_SM90A)
-  return compute_capability() == 90;
-#else
-  return false;
-#endif
-}
-
 // C: the caches' element type (T, or uint8_t for FP8 caches, which only bf16 / fp16 at head_dim 64 / 128 take:
 // their prefill rows always go to the tensor-core kernel).
 template <typename T, typename C, int D>

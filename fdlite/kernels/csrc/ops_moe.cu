@@ -9,8 +9,8 @@
 //   3. down GEMM per M tile, the choice's router weight applied in its epilogue -> y [T k, H], each choice
 //      at its own row t k + j;
 //   4. un-permute: out[t] = sum of y[t k + j] over j = 0 .. k - 1 in that order, in fp32, rounded once.
-// bf16 / fp16 run the GEMMs on tensor cores (moe_gemm_mma.cuh), fp32 on CUDA cores in true fp32
-// (moe_gemm_fma.cuh).
+// bf16 / fp16 run the GEMMs on tensor cores: Hopper wgmma with 128 x 256 tiles at prefill sizes
+// (moe_gemm_wgmma.cuh), mma.sync otherwise (moe_gemm_mma.cuh); fp32 on CUDA cores in true fp32 (moe_gemm_fma.cuh).
 //
 // Why our own grouped GEMM rather than cuBLAS's grouped batched GEMM (12.5+) or CUTLASS: both take the
 // per-expert row counts on the host, and here they exist only on the device (step 1), inside graphs; the
@@ -18,20 +18,24 @@
 //
 // BM (`block_m`, 0 = automatic): 16 when an expert gets at most 16 rows on average (decode: each touched
 // expert's weights are then read once per step, as one M tile, and 15 of 16 MMA rows of a lone token are
-// padding, which costs no memory traffic), else 64. The choice depends only on (T, k, E), so a captured
-// graph keeps it. Every grid depends only on (T, k, E, BM, H, I); scratch comes from paddle::empty (the
+// padding, which costs no memory traffic); 128 (the wgmma kernels) for bf16 / fp16 when experts average at
+// least kWgmmaRows rows and the GPU runs sm_90a code; else 64. The choice depends only on (T, k, E, dtype), so
+// a captured graph keeps it. Every grid depends only on (T, k, E, BM, H, I); scratch comes from paddle::empty (the
 // graph's pool inside a capture), sized by T: the profiling run at max_num_batched_tokens sees the peak.
 #include <algorithm>
 #include <type_traits>
 
 #include "moe_align.cuh"
 #include "moe_gemm_mma.cuh"
+#include "moe_gemm_wgmma.cuh"
 #include "moe_gemm_fma.cuh"
 
 namespace fdl {
 namespace {
 
 inline int moe_block_m(int64_t n, int64_t E) { return n <= 16 * E ? 16 : 64; }
+
+constexpr int kWgmmaRows = 64;  // rows per expert on average from which the 128-row wgmma tiles take over
 
 // out[t, :] = sum_j y[t k + j, :] (choices whose id is outside [0, E) skipped), fp32 sum in order of j.
 template <typename T, int VEC>
@@ -81,6 +85,19 @@ void launch_mma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s) {
   launch("moe_gemm_mma_kernel", moe_gemm_mma_kernel<T, C>, grid, C::NTH, C::smem_bytes, s, pdl, a);
 }
 
+template <typename T, typename C>
+void launch_wgmma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s) {
+  static bool init = false;
+  if (!init) {
+    FDL_CHECK_CUDA(cudaFuncSetAttribute(moe_gemm_wgmma_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)C::bytes),
+                   "fdl_moe_experts: cudaFuncSetAttribute");
+    init = true;
+  }
+  const dim3 grid((unsigned)tiles, (unsigned)ceil_div(a.N, C::OUT_N));
+  launch("moe_gemm_wgmma_kernel", moe_gemm_wgmma_kernel<T, C>, grid, C::NTH, C::bytes, s, pdl, a);
+}
+
 template <int BM, bool GATED>
 void launch_fma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s) {
   const dim3 grid((unsigned)tiles, (unsigned)ceil_div(a.N, kFmaBN));
@@ -101,6 +118,9 @@ void launch_gemms(MoeGemmArgs up, MoeGemmArgs down, int bm, int64_t tiles, bool 
     if (bm == 16) {
       launch_mma<T, MmaUp16>(up, tiles, pdl, s);
       launch_mma<T, MmaDown16>(down, tiles, pdl, s);
+    } else if (bm == 128) {
+      launch_wgmma<T, MoeWgCfg<true>>(up, tiles, pdl, s);
+      launch_wgmma<T, MoeWgCfg<false>>(down, tiles, pdl, s);
     } else {
       launch_mma<T, MmaUp64>(up, tiles, pdl, s);
       launch_mma<T, MmaDown64>(down, tiles, pdl, s);
@@ -108,9 +128,14 @@ void launch_gemms(MoeGemmArgs up, MoeGemmArgs down, int bm, int64_t tiles, bool 
   }
 }
 
-int pick_block_m(int block_m, int64_t n, int64_t E, const char* op) {
-  PD_CHECK(block_m == 0 || block_m == 16 || block_m == 64, op, ": block_m must be 0 (automatic), 16 or 64");
-  return block_m ? block_m : moe_block_m(n, E);
+// The M tile of fdl_moe_align (wgmma: whether the caller's GEMMs may take 128-row tiles; the align op alone
+// chooses as for fp32, and takes 128 only when asked).
+int pick_block_m(int block_m, int64_t n, int64_t E, bool wgmma, const char* op) {
+  PD_CHECK(block_m == 0 || block_m == 16 || block_m == 64 || block_m == 128, op,
+           ": block_m must be 0 (automatic), 16, 64 or 128");
+  if (block_m) return block_m;
+  if (wgmma && n >= kWgmmaRows * E) return 128;
+  return moe_block_m(n, E);
 }
 
 void check_ids(const paddle::Tensor& ids, const char* op) {
@@ -131,7 +156,7 @@ std::vector<paddle::Tensor> MoeAlignOp(const paddle::Tensor& ids, int num_expert
   check_ids(ids, op);
   PD_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, op, ": num_experts must be in [1, 1024]");
   const int64_t n = ids.numel(), E = num_experts;
-  const int bm = pick_block_m(block_m, n, E, op);
+  const int bm = pick_block_m(block_m, n, E, false, op);
   const int64_t tiles = moe_tiles_max(n, E, bm);
   paddle::Tensor sorted = paddle::empty({tiles * bm}, paddle::DataType::INT32, ids.place());
   paddle::Tensor tile_expert = paddle::empty({tiles}, paddle::DataType::INT32, ids.place());
@@ -175,11 +200,14 @@ std::vector<paddle::Tensor> MoeExperts(const paddle::Tensor& x, const paddle::Te
   PD_CHECK(aligned16(x.data()) && aligned16(w13.data()) && aligned16(w2.data()), op,
            ": x, w13 and w2 must be 16-byte aligned");
   const int64_t n = T * k;
-  PD_CHECK(n + E * 64 < ((int64_t)1 << 31) && (n + E * 64) * std::max(H, I) < ((int64_t)1 << 40), op,
+  PD_CHECK(n + E * 128 < ((int64_t)1 << 31) && (n + E * 128) * std::max(H, I) < ((int64_t)1 << 40), op,
            ": too many tokens");
   paddle::Tensor out = paddle::empty({T, H}, x.dtype(), x.place());
   if (T == 0) return {out};
-  const int bm = pick_block_m(block_m, n, E, op);
+  const bool wgmma = x.dtype() != paddle::DataType::FLOAT32 && wgmma_ready();
+  PD_CHECK(block_m != 128 || wgmma, op, ": block_m 128 (the wgmma kernels) needs bf16 / fp16 on an sm_90 GPU and a "
+           "library built for sm_90a");
+  const int bm = pick_block_m(block_m, n, E, wgmma, op);
   const int64_t tiles = moe_tiles_max(n, E, bm), rows = tiles * bm;
   paddle::Tensor ints = paddle::empty({rows + tiles + moe_align_scratch(n, E)}, paddle::DataType::INT32, x.place());
   paddle::Tensor act = paddle::empty({rows, I}, x.dtype(), x.place());
