@@ -525,8 +525,8 @@ def logprobs(logits, rows, targets, target_of, k: int):
 
 # ------------------------------------------------------------------ (h) mixture of experts (ops_moe*.cu)
 MOE_MAX_EXPERTS = 1024
-# 0: the kernels choose (16 while experts average at most 16 rows; 128, the wgmma kernels, for bf16 / fp16 on an
-# sm_90 GPU from 64 rows on average; else 64); 128 forced needs bf16 / fp16 on sm_90
+# 0: the kernels choose (128, the wgmma kernels, for bf16 / fp16 on an sm_90 GPU; else 16 while experts average
+# at most 16 rows, then 64); 128 forced needs bf16 / fp16 on sm_90
 MOE_BLOCK_M = (0, 16, 64, 128)
 
 

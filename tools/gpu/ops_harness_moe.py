@@ -105,7 +105,7 @@ def checks(h) -> None:
         return f
 
     def auto_block_m(n, E, dt):  # ops_moe.cu's choice for fdl_moe_experts (128 needs sm_90a code: the H100)
-        return 128 if dt != "float32" and h.WGMMA and n >= 64 * E else ref.block_m(n, E)
+        return 128 if dt != "float32" and h.WGMMA else ref.block_m(n, E)
 
     for dt in h.DTYPES:
         for T in (1, 3, 17, 256, 1000):
@@ -116,16 +116,17 @@ def checks(h) -> None:
         for bm in (16, 64):
             check(f"moe_experts {dt} forced block_m={bm} T=300 E=8 k=2 routing=one", t_experts(300, 8, 2, 64, 32, dt, "one", bm))
         check(f"moe_experts {dt} Qwen3-30B-A3B widths T=33 (2048/768, E=16, k=8)", t_experts(33, 16, 8, 2048, 768, dt, "random"))
-        if dt != "float32" and h.WGMMA:  # the wgmma kernels (128-row tiles), forced at sizes auto would not pick
+        if dt != "float32" and h.WGMMA:  # the wgmma kernels (128-row tiles, the default here) on more shapes
             for T, E, k, H, I, kind in ((1, 8, 2, 256, 128, "random"), (29, 8, 2, 136, 40, "uneven"),
                                          (300, 8, 2, 64, 32, "one"), (1000, 64, 8, 256, 128, "idle"),
                                          (300, 16, 8, 2048, 768, "random"), (200, 8, 6, 2560, 1536, "uneven")):
                 check(f"moe_experts {dt} wgmma block_m=128 T={T} E={E} k={k} H={H} I={I} routing={kind}",
                       t_experts(T, E, k, H, I, dt, kind, 128))
 
-    def t_row_alone(dt, E=64, k=6, H=256, I=128, bm=0):
-        """A token's output alone equals its row in a batch of 300, bitwise (BM 16 vs 64: the same K order; the
-        wgmma kernels forced for both: a token's sums do not depend on the other rows of its tile)."""
+    def t_row_alone(dt, E=64, k=6, H=256, I=128, bm=0, bm_alone=None):
+        """A token's output alone equals its row in a batch of 300, bitwise (the wgmma kernels, the default on the
+        H100: a token's sums do not depend on the other rows of its tile; the mma.sync kernels with BM 16 alone and
+        64 in the batch: the same K order)."""
         def f():
             T = 300
             ids = routing("random", T, E, k, rng)
@@ -136,17 +137,19 @@ def checks(h) -> None:
             full = to_np(G.moe_experts(to_gpu(x, dt), to_gpu(ids, "int32"), to_gpu(w, "float32"), w13, w2, bm))
             rows = [0, 7, 299]
             alone = np.stack([to_np(G.moe_experts(to_gpu(x[r:r + 1], dt), to_gpu(ids[r:r + 1], "int32"),
-                                                  to_gpu(w[r:r + 1], "float32"), w13, w2, bm))[0] for r in rows])
+                                                  to_gpu(w[r:r + 1], "float32"), w13, w2,
+                                                  bm if bm_alone is None else bm_alone))[0] for r in rows])
             ok = np.array_equal(alone, full[rows])
             return ok, 0.0 if ok else relerr(alone, full[rows]), 0, "rows 0, 7, 299"
         return f
 
     for dt in h.DTYPES:
         check(f"moe_experts {dt}: a token alone = in a batch of 300, bitwise", t_row_alone(dt))
-        if dt != "float32" and h.WGMMA:
-            check(f"moe_experts {dt} wgmma: a token alone = in a batch of 300, bitwise", t_row_alone(dt, bm=128))
+        if dt != "float32":
+            check(f"moe_experts {dt} mma.sync: a token alone (block_m 16) = in a batch of 300 (64), bitwise",
+                  t_row_alone(dt, bm=64, bm_alone=16))
 
-    def t_graph(dt, T=17, E=64, k=8, H=256, I=128):
+    def t_graph(dt, T=17, E=64, k=8, H=256, I=128, bm=0):
         """route + experts captured once, replayed on three new routings (new logits written in place): each replay
         equals the eager ops on the same inputs, bitwise; the routings differ (different experts, tiles)."""
         def f():
@@ -159,7 +162,7 @@ def checks(h) -> None:
 
             def body():
                 ids, w = G.moe_route(lg, k, True, 1e-12, bias)
-                res["ids"], res["out"] = ids, G.moe_experts(x, ids, w, w13, w2)
+                res["ids"], res["out"] = ids, G.moe_experts(x, ids, w, w13, w2, bm)
             body()
             sync()
             g = h.CUDAGraph()
@@ -175,7 +178,7 @@ def checks(h) -> None:
                 sync()
                 got, gids = to_np(res["out"]), to_np(res["ids"])
                 ids, w = G.moe_route(lg, k, True, 1e-12, bias)
-                want = to_np(G.moe_experts(x, ids, w, w13, w2))
+                want = to_np(G.moe_experts(x, ids, w, w13, w2, bm))
                 sync()
                 ok &= bool(np.array_equal(got, want)) and bool(np.array_equal(gids, to_np(ids)))
                 seen.append(np.bincount(gids.reshape(-1), minlength=E).max())
@@ -185,9 +188,9 @@ def checks(h) -> None:
 
     for dt in h.DTYPES:
         check(f"graph: moe_route + moe_experts {dt}, 3 replays with new routings = eager", t_graph(dt))
-        if dt != "float32" and h.WGMMA:  # 300 x 2 rows over 8 experts: the wgmma kernels (auto)
-            check(f"graph: moe_route + moe_experts {dt} wgmma (T=300 E=8 k=2), 3 replays = eager",
-                  t_graph(dt, T=300, E=8, k=2))
+        if dt != "float32":  # many rows per expert; the mma.sync kernels
+            check(f"graph: moe_route + moe_experts {dt} T=300 E=8 k=2, 3 replays = eager", t_graph(dt, T=300, E=8, k=2))
+            check(f"graph: moe_route + moe_experts {dt} mma.sync (block_m 16), 3 replays = eager", t_graph(dt, bm=16))
 
 
 def _layer_case(h, name, H, I, E, k, shared, T, sets=4, block_m=0):
@@ -239,8 +242,9 @@ PEAK_BF16 = 989e12  # H100 SXM dense bf16 (wgmma); mma.sync kernels reach a frac
 
 
 def bench_decode(h):
-    """Decode-like token counts on the two full-size layer shapes (bf16; weights filled, routing random)."""
-    return [_layer_case(h, *s, T) for s in SHAPES for T in (1, 4, 16, 64, 128, 256)]
+    """Decode-like token counts on the two full-size layer shapes (bf16; weights filled, routing random): the
+    automatic choice (the wgmma kernels on the H100) beside the mma.sync kernels (block_m 16)."""
+    return [_layer_case(h, *s, T, block_m=bm) for s in SHAPES for T in (1, 4, 16, 64, 128, 256) for bm in (16, 0)]
 
 
 def bench_prefill(h):

@@ -16,11 +16,11 @@
 // per-expert row counts on the host, and here they exist only on the device (step 1), inside graphs; the
 // gather of A rows and both epilogues would be extra passes there.
 //
-// BM (`block_m`, 0 = automatic): 16 when an expert gets at most 16 rows on average (decode: each touched
-// expert's weights are then read once per step, as one M tile, and 15 of 16 MMA rows of a lone token are
-// padding, which costs no memory traffic); 128 (the wgmma kernels) for bf16 / fp16 when experts average at
-// least kWgmmaRows rows and the GPU runs sm_90a code; else 64. The choice depends only on (T, k, E, dtype), so
-// a captured graph keeps it. Every grid depends only on (T, k, E, BM, H, I); scratch comes from paddle::empty (the
+// BM (`block_m`, 0 = automatic): 128 (the wgmma kernels) for bf16 / fp16 where the GPU runs sm_90a code, at
+// every size (decode too: their deeper pipeline streams the touched experts' weights at 78-85% of HBM speed
+// against the mma.sync kernels' 56-62%, measured; padding rows cost MMA time there, not memory traffic);
+// otherwise 16 when an expert gets at most 16 rows on average (each touched expert's weights are then read once
+// per step, as one M tile), else 64. The choice depends only on (T, k, E, dtype), so a captured graph keeps it. Every grid depends only on (T, k, E, BM, H, I); scratch comes from paddle::empty (the
 // graph's pool inside a capture), sized by T: the profiling run at max_num_batched_tokens sees the peak.
 #include <algorithm>
 #include <type_traits>
@@ -34,8 +34,6 @@ namespace fdl {
 namespace {
 
 inline int moe_block_m(int64_t n, int64_t E) { return n <= 16 * E ? 16 : 64; }
-
-constexpr int kWgmmaRows = 64;  // rows per expert on average from which the 128-row wgmma tiles take over
 
 // out[t, :] = sum_j y[t k + j, :] (choices whose id is outside [0, E) skipped), fp32 sum in order of j.
 template <typename T, int VEC>
@@ -94,8 +92,9 @@ void launch_wgmma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s)
                    "fdl_moe_experts: cudaFuncSetAttribute");
     init = true;
   }
-  const dim3 grid((unsigned)tiles, (unsigned)ceil_div(a.N, C::OUT_N));
-  launch("moe_gemm_wgmma_kernel", moe_gemm_wgmma_kernel<T, C>, grid, C::NTH, C::bytes, s, pdl, a);
+  const int64_t nblocks = ceil_div(a.N, C::OUT_N), items = tiles * nblocks;  // at most: tiles past the real ones
+  launch("moe_gemm_wgmma_kernel", moe_gemm_wgmma_kernel<T, C>, (unsigned)std::min<int64_t>(items, num_sms()), C::NTH,
+         C::bytes, s, pdl, a, (int)tiles, (int)nblocks);  // persistent: one block per SM at most
 }
 
 template <int BM, bool GATED>
@@ -134,7 +133,7 @@ int pick_block_m(int block_m, int64_t n, int64_t E, bool wgmma, const char* op) 
   PD_CHECK(block_m == 0 || block_m == 16 || block_m == 64 || block_m == 128, op,
            ": block_m must be 0 (automatic), 16, 64 or 128");
   if (block_m) return block_m;
-  if (wgmma && n >= kWgmmaRows * E) return 128;
+  if (wgmma) return 128;
   return moe_block_m(n, E);
 }
 
