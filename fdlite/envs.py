@@ -7,7 +7,7 @@ environment: see tests/env_patch.py). Unset and empty mean the default.
 
 New behaviour switches belong in `EngineConfig` (fdlite/config.py); a variable here is a location, a
 toolchain setting, or a debug switch. The C++ sources read no environment: fdlite/kernels/gpu.py passes
-FDLITE_PDL, FDLITE_GEMV and FDLITE_ATTN_MMA to the ops library once, when it loads it (`fdl_set_options`).
+FDLITE_PDL, FDLITE_GEMV, FDLITE_ATTN_MMA and FDLITE_DECODE_MMA to the ops library once, when it loads it (`fdl_set_options`).
 
 fdlite also *sets* two variables for the libraries it drives, which are not options: MKL_DEBUG_CPU_TYPE
 (fdlite/mkl_amd.py, before Paddle loads MKL) and PADDLE_DISTRI_BACKEND (fdlite/distributed/parallel_state.py, after
@@ -107,6 +107,9 @@ VARIABLES: dict[str, Var] = {
     "FDLITE_ATTN_MMA": Var("2", "bf16/fp16 prefill attention kernel: 2 wgmma where the library has sm_90a code and "
                            "the GPU is sm_90 (else mma.sync), 1 mma.sync, 0 the CUDA-core tile kernel (for "
                            "side-by-side measurements; passed to the library at load).", _zero_one_two),
+    "FDLITE_DECODE_MMA": Var("1", "0 sends bf16/fp16 decode attention to the CUDA-core kernel instead of the "
+                             "tensor-core (mma.sync) one (for side-by-side measurements; passed to the library at "
+                             "load).", _flag),
     "FDLITE_CUDAGRAPH_BACKEND": Var("", "`eager` replaces CUDA graph capture by fdlite's eager-replay stand-in "
                                     "(fdlite/graph/eager_replay.py), on any device: for CPU tests.", _lower),
     # --- debugging
@@ -187,6 +190,7 @@ if TYPE_CHECKING:
     FDLITE_PDL: int
     FDLITE_GEMV: bool
     FDLITE_ATTN_MMA: int
+    FDLITE_DECODE_MMA: bool
     FDLITE_CUDAGRAPH_BACKEND: str
     FDLITE_INCREMENTAL_DETOKENIZE: bool
     FDLITE_DEBUG_POISON_FREED_BLOCKS: bool

@@ -194,7 +194,7 @@ def test_parsing(monkeypatch):
 
 
 def test_gpu_ops_take_their_switches_from_python():
-    """ops_capi.cu exports fdl_set_options(int pdl, int gemv, int attn_mma), gpu.py declares every exported C function with
+    """ops_capi.cu exports fdl_set_options(int pdl, int gemv, int attn_mma, int decode_mma), gpu.py declares every exported C function with
     the right number of arguments, and both agree on the ABI version."""
     from fdlite.kernels import gpu
 
@@ -204,26 +204,27 @@ def test_gpu_ops_take_their_switches_from_python():
     assert set(exported) == set(gpu.CAPI_SIGNATURES)
     for name, params in exported.items():
         assert len(params) == len(gpu.CAPI_SIGNATURES[name][1]), name
-    assert exported["fdl_set_options"] == ["int pdl", " int gemv", " int attn_mma"]
+    assert exported["fdl_set_options"] == ["int pdl", " int gemv", " int attn_mma", " int decode_mma"]
     version = re.search(r"fdl_ops_abi_version\(void\)\s*\{\s*return (\d+);", text).group(1)
     assert int(version) == gpu.ABI_VERSION
 
 
 def test_gpu_switches_reach_the_library_in_order(monkeypatch):
-    """`gpu.set_options` hands (pdl, gemv, attn_mma) to fdl_set_options in that order, None keeping the value from
-    the environment; a pdl the library refuses is an error naming it."""
+    """`gpu.set_options` hands (pdl, gemv, attn_mma, decode_mma) to fdl_set_options in that order, None keeping the
+    value from the environment; a pdl the library refuses is an error naming it."""
     from fdlite.kernels import gpu
 
     calls = []
 
     class FakeCapi:
-        def fdl_set_options(self, pdl, gemv, attn_mma):
-            calls.append((pdl, gemv, attn_mma))
+        def fdl_set_options(self, pdl, gemv, attn_mma, decode_mma):
+            calls.append((pdl, gemv, attn_mma, decode_mma))
             return 0 if 0 <= pdl <= 2 else 1
 
     monkeypatch.setenv("FDLITE_PDL", "1")
     monkeypatch.setenv("FDLITE_GEMV", "0")
     monkeypatch.setenv("FDLITE_ATTN_MMA", "1")
+    monkeypatch.setenv("FDLITE_DECODE_MMA", "1")
     envs.refresh()
     monkeypatch.setitem(gpu._state, "path", "fake")
     monkeypatch.setitem(gpu._state, "capi", FakeCapi())
@@ -232,12 +233,26 @@ def test_gpu_switches_reach_the_library_in_order(monkeypatch):
         gpu.set_options()
         gpu.set_options(pdl=0, gemv=True)
         gpu.set_options(attn_mma=2)
-        assert calls == [(1, 0, 0), (1, 0, 1), (0, 1, 1), (1, 0, 2)]
+        gpu.set_options(decode_mma=False)
+        assert calls == [(1, 0, 0, 1), (1, 0, 1, 1), (0, 1, 1, 1), (1, 0, 2, 1), (1, 0, 1, 0)]
         with pytest.raises(gpu.GpuOpsError, match="pdl=5"):
             gpu.set_options(pdl=5)
     finally:
         monkeypatch.undo()
         envs.refresh()
+
+
+def test_decode_kernel_switch_is_a_flag_on_by_default(monkeypatch):
+    """FDLITE_DECODE_MMA: the tensor-core decode attention kernel by default; 0 / off the CUDA-core one."""
+    monkeypatch.delenv("FDLITE_DECODE_MMA", raising=False)
+    envs.refresh()
+    assert envs.FDLITE_DECODE_MMA is True
+    for off in ("0", "off"):
+        monkeypatch.setenv("FDLITE_DECODE_MMA", off)
+        envs.refresh()
+        assert envs.FDLITE_DECODE_MMA is False
+    monkeypatch.undo()
+    envs.refresh()
 
 
 def test_attn_kernel_switch_is_zero_one_or_two(monkeypatch):

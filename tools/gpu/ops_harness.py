@@ -753,6 +753,34 @@ def t_attn_repeat(n=40, splits=5):
 
 
 check("paged_attention decode, calls in a row share the self-resetting split counters", t_attn_repeat())
+
+
+def with_decode_kernel(mode, f):
+    """f run with FDLITE_DECODE_MMA=mode (False: the CUDA-core decode kernel; True, the default: tensor cores)."""
+    def g():
+        G.set_options(decode_mma=mode)
+        try:
+            return f()
+        finally:
+            G.set_options()
+    return g
+
+
+# The decode kernels on more shapes: the tensor-core one (attention_decode_mma.cuh, the default for bf16 / fp16 at
+# head_dim 64 / 128; GQA groups 1-16, splits automatic and forced, block sizes 16 / 64), and the CUDA-core one it
+# replaced (FDLITE_DECODE_MMA=0), which fp32, head_dim 256 and FP8 caches keep
+for dt in ("bfloat16", "float16"):
+    for h, kvh, d, bs in ((16, 8, 128, 64), (32, 8, 128, 64), (32, 4, 128, 16), (14, 2, 64, 16), (16, 1, 128, 64),
+                          (4, 4, 64, 64)):
+        for s in (0, 3):
+            check(f"paged_attention tensor-core decode {dt} {h}/{kvh} heads d{d} bs{bs} splits={s or 'auto'}",
+                  t_attn(decode_rows + [(1, 0)], h=h, kvh=kvh, d=d, bs=bs, dt=dt, splits=s))
+    check(f"paged_attention tensor-core decode {dt} mixed decode+prefill 32/4 heads", t_attn(mixed_rows, h=32, kvh=4, dt=dt))
+    for h, kvh in ((16, 8), (32, 4)):
+        check(f"paged_attention CUDA-core decode {dt} {h}/{kvh} heads splits=auto / 3",
+              with_decode_kernel(False, lambda h=h, kvh=kvh, dt=dt: min(
+                  (t_attn(decode_rows + [(1, 0)], h=h, kvh=kvh, dt=dt, splits=s)() for s in (0, 3)),
+                  key=lambda res: res[0])))
 check("paged_attention mixed, splits=4, max_q_len=64 bf16", t_attn(mixed_rows, splits=4, max_q_len=64))
 check("paged_attention decode-only graph attrs (max_q_len=1) + scratch-block padded rows",
       t_attn([(1, 100), (1, 1), (1, 1)], max_q_len=1, scratch_rows=(1, 2)))
@@ -1275,12 +1303,14 @@ if not ARGS.no_bench:
     B_ = RES["bench"]
     HBM = 3.0e12
 
-    def bench_attn_decode(batches=(1, 16, 64, 128, 256), splits_list=(0,), fp8=False):
+    def bench_attn_decode(batches=(1, 16, 64, 128, 256), splits_list=(0,), fp8=False, heads=(16, 8),
+                          ctxs=(512, 2048, 4096), kernels=(None,)):
         """Decode attention GB/s against the KV bytes read; splits_list: num_splits values (0 = automatic); fp8: over
-        FP8 caches (e4m3 bytes + a float32 scale per row: head_dim + 4 bytes a vector)."""
+        FP8 caches (e4m3 bytes + a float32 scale per row: head_dim + 4 bytes a vector); heads: (query, KV) heads
+        (Qwen3-0.6B's by default); kernels: FDLITE_DECODE_MMA values to time side by side (None: the default)."""
         out = []
-        h, kvh, d, bs = 16, 8, 128, 64
-        for ctx in (512, 2048, 4096):
+        (h, kvh), d, bs = heads, 128, 64
+        for ctx in ctxs:
             for B in batches:
                 nbr = ctx // bs
                 ws = B * ctx * kvh * (d + 4 if fp8 else d * 2) * 2
@@ -1306,19 +1336,27 @@ if not ARGS.no_bench:
                 cu = to_gpu(np.arange(B + 1, dtype=np.int32), "int32")
                 qg = to_gpu(rng.standard_normal((B, h, d)), "bfloat16")
                 for splits in splits_list:
-                    i = [0]
+                    for kern in kernels:
+                        i = [0]
 
-                    def fn():
-                        attend(qg, kc, vc, bts[i[0] % sets], seq, cu, d ** -0.5, 1, splits)
-                        i[0] += 1
-                    us = graph_time_us(fn, per_graph=8 * sets if sets < 4 else sets * 2, replays=5)
-                    gbs = ws / (us * 1e-6) / 1e9
-                    row = {"batch": B, "ctx": ctx, "num_splits": splits, "us": round(us, 2), "kv_MB": round(ws / 1e6, 2),
-                           "GB_s": round(gbs), "roofline_us": round(ws / HBM * 1e6, 2),
-                           "frac_of_3TBs": round(gbs * 1e9 / HBM, 3)}
-                    out.append(row)
-                    log(f"  decode attn{' fp8' if fp8 else ''} B={B:4d} ctx={ctx:5d} splits={splits or 'auto'}: {us:9.2f} us  {gbs:7.0f} GB/s  "
-                        f"({row['frac_of_3TBs']:.0%} of 3.0 TB/s)")
+                        def fn():
+                            attend(qg, kc, vc, bts[i[0] % sets], seq, cu, d ** -0.5, 1, splits)
+                            i[0] += 1
+                        if kern is not None:
+                            G.set_options(decode_mma=kern)
+                        try:
+                            us = graph_time_us(fn, per_graph=8 * sets if sets < 4 else sets * 2, replays=5)
+                        finally:
+                            G.set_options()
+                        gbs = ws / (us * 1e-6) / 1e9
+                        row = {"heads": [h, kvh], "batch": B, "ctx": ctx, "num_splits": splits,
+                               "decode_mma": "default" if kern is None else int(kern), "us": round(us, 2),
+                               "kv_MB": round(ws / 1e6, 2), "GB_s": round(gbs), "roofline_us": round(ws / HBM * 1e6, 2),
+                               "frac_of_3TBs": round(gbs * 1e9 / HBM, 3)}
+                        out.append(row)
+                        log(f"  decode attn{' fp8' if fp8 else ''} {h}/{kvh} heads B={B:4d} ctx={ctx:5d} "
+                            f"splits={splits or 'auto'} decode_mma={row['decode_mma']}: {us:9.2f} us  {gbs:7.0f} GB/s  "
+                            f"({row['frac_of_3TBs']:.0%} of 3.0 TB/s)")
                 del kc, vc
         return out
 
@@ -1469,6 +1507,12 @@ if not ARGS.no_bench:
     benches = (("attention_decode", bench_attn_decode), ("attention_prefill", bench_attn_prefill),
                ("attention_decode_splits", lambda: bench_attn_decode((64, 128, 192, 256), (0, 1, 2, 3, 4, 5, 6, 8))),
                ("attention_decode_fp8", lambda: bench_attn_decode(fp8=True)),
+               # GQA groups of 2, 4 and 8 query heads per KV head (Qwen3-0.6B, Llama-3.1-8B, Qwen3-30B-A3B layers):
+               # the CUDA-core per-token kernel's work per KV byte grows with the group; the tensor-core one
+               # (the default) beside it
+               ("attention_decode_gqa", lambda: sum((bench_attn_decode((1, 64, 128, 256), heads=hd, ctxs=(512, 2048),
+                                                                       kernels=(False, True))
+                                                     for hd in ((16, 8), (32, 8), (32, 4))), [])),
                ("gemm", bench_gemm), ("elementwise", bench_small), ("sampling", bench_sampling),
                ("host_overhead", bench_host),
                ("moe_decode", lambda: ops_harness_moe.bench_decode(sys.modules[__name__])),

@@ -20,7 +20,9 @@
 //  - per-token ("decode") kernel, grid (T, kvh, splits): tokens of rows with q_len <= 4. One block
 //    holds the h / kvh query heads of one KV head, so each K/V byte is read once per KV head;
 //    long contexts are split across blocks, and the last block of each (token, KV head) to finish
-//    merges the splits (a self-resetting counter: no second kernel to launch and wait for).
+//    merges the splits (a self-resetting counter: no second kernel to launch and wait for). bf16 / fp16
+//    at head_dim 64 / 128 over model-dtype caches compute on tensor cores (attention_decode_mma.cuh), the
+//    rest on CUDA cores (attn_decode_kernel below).
 //  - tile ("prefill") kernel, grid (ceil(T / tile_tokens), kvh): each block takes a fixed slice of
 //    the flat token axis and works through the row segments inside it (rows with q_len > 4): query
 //    rows (token x head) against chunks of keys, so K/V are read once per tile, not per token. bf16 /
@@ -134,6 +136,73 @@ struct ChunkRows {
     cp_async_commit();
   }
 };
+
+// The last block of (t, j) to get here merges the splits of the per-token kernels (attn_decode_kernel,
+// attn_decode_mma_kernel), once each block has written its split's partial (o_s unnormalized, m_s in log2 units, l_s):
+// out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the counter for the next call. scratch: at
+// least (MAXG x 64 + MAXG) floats of shared memory the block no longer needs (its K / V buffers).
+template <typename T, int D>
+__device__ void decode_merge_splits(const Args& a, int64_t t, int j, float* scratch) {
+  constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
+  const int g = a.g, items = g * D / 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* w_s = scratch;                 // [g][splits] weights
+  float* al_s = scratch + MAXG * 64;    // [g] 1 / sum
+  __shared__ int is_last;
+  __threadfence();  // this block's partials are visible before the count says so
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* c = a.counters + t * a.kvh + j;
+    is_last = atomicAdd(c, 1) == a.splits - 1;
+    if (is_last) *c = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int hh = warp; hh < g; hh += NT / 32) {
+    const int64_t head = (int64_t)j * g + hh;
+    float m[2], l[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int sp = lane + 32 * u;
+      const float2 ml = sp < a.splits ? __ldcg(a.part_ml + ((int64_t)sp * a.T + t) * a.h + head)
+                                      : make_float2(-CUDART_INF_F, 0.f);
+      m[u] = ml.x;
+      l[u] = ml.y;
+    }
+    const float M = warp_max(fmaxf(m[0], m[1]));
+    float L = 0.f;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int sp = lane + 32 * u;
+      const float w = M == -CUDART_INF_F ? 0.f : exp2f(m[u] - M);  // 0 for empty splits (m = -inf)
+      if (sp < a.splits) w_s[hh * a.splits + sp] = w;
+      L += l[u] * w;
+    }
+    L = warp_sum(L);
+    if (lane == 0) al_s[hh] = L > 0.f ? 1.f / L : 0.f;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < NI; ++n) {
+    const int it = threadIdx.x + n * NT;
+    if (it < items) {
+      const int hh = it / (D / 2), dp = it - hh * (D / 2);
+      const int64_t head = (int64_t)j * g + hh;
+      float o0 = 0.f, o1 = 0.f;
+      for (int sp = 0; sp < a.splits; ++sp) {
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(a.part_o + (((int64_t)sp * a.T + t) * a.h + head) * D) + dp);
+        const float w = w_s[hh * a.splits + sp];
+        o0 += v.x * w;
+        o1 += v.y * w;
+      }
+      const float inv = al_s[hh];
+      T* o = static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2;
+      o[0] = from_f<T>(o0 * inv);
+      o[1] = from_f<T>(o1 * inv);
+    }
+  }
+}
 
 // ------------------------------------------------------------------ per-token kernel
 // Per-token kernel smem: q [g][d] f32 | scores [g][KC] f32 | max, sum, rescale [g] f32 | K | V.
@@ -304,64 +373,7 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
     }
   }
   if (a.splits == 1) return;
-
-  // The last block of (t, j) to get here merges the splits:
-  // out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the counter for the next call.
-  __shared__ int is_last;
-  __threadfence();  // this block's partials are visible before the count says so
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* c = a.counters + t * a.kvh + j;
-    is_last = atomicAdd(c, 1) == a.splits - 1;
-    if (is_last) *c = 0;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  float* w_s = reinterpret_cast<float*>(kbuf);  // [g][splits] weights (the K/V buffers are free now)
-  for (int hh = warp; hh < g; hh += NT / 32) {
-    const int64_t head = (int64_t)j * g + hh;
-    float m[2], l[2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int sp = lane + 32 * u;
-      const float2 ml = sp < a.splits ? __ldcg(a.part_ml + ((int64_t)sp * a.T + t) * a.h + head)
-                                      : make_float2(-CUDART_INF_F, 0.f);
-      m[u] = ml.x;
-      l[u] = ml.y;
-    }
-    const float M = warp_max(fmaxf(m[0], m[1]));
-    float L = 0.f;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int sp = lane + 32 * u;
-      const float w = M == -CUDART_INF_F ? 0.f : exp2f(m[u] - M);  // 0 for empty splits (m = -inf)
-      if (sp < a.splits) w_s[hh * a.splits + sp] = w;
-      L += l[u] * w;
-    }
-    L = warp_sum(L);
-    if (lane == 0) al_s[hh] = L > 0.f ? 1.f / L : 0.f;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int n = 0; n < NI; ++n) {
-    const int it = threadIdx.x + n * NT;
-    if (it < items) {
-      const int hh = it / (D / 2), dp = it - hh * (D / 2);
-      const int64_t head = (int64_t)j * g + hh;
-      float o0 = 0.f, o1 = 0.f;
-      for (int sp = 0; sp < a.splits; ++sp) {
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(a.part_o + (((int64_t)sp * a.T + t) * a.h + head) * D) + dp);
-        const float w = w_s[hh * a.splits + sp];
-        o0 += v.x * w;
-        o1 += v.y * w;
-      }
-      const float inv = al_s[hh];
-      T* o = static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2;
-      o[0] = from_f<T>(o0 * inv);
-      o[1] = from_f<T>(o1 * inv);
-    }
-  }
+  decode_merge_splits<T, D>(a, t, j, reinterpret_cast<float*>(kbuf));
 }
 
 // ------------------------------------------------------------------ tile kernel
@@ -555,6 +567,7 @@ __global__ void __launch_bounds__(NT) attn_tile_kernel(Args a, int tile_tokens) 
 }  // namespace
 }  // namespace fdl
 
+#include "attention_decode_mma.cuh"
 #include "attention_mma.cuh"
 #include "attention_wgmma.cuh"
 
@@ -591,16 +604,35 @@ void set_smem(K kernel, size_t bytes) {
                    "fdl_paged_attention: cudaFuncSetAttribute");
 }
 
+// Whether the tensor-core per-token kernel (attention_decode_mma.cuh) takes the decode tokens: bf16 / fp16 at
+// head_dim 64 / 128 over model-dtype caches, unless FDLITE_DECODE_MMA=0 (the CUDA-core kernel, for side-by-side runs).
+template <typename T, typename C, int D>
+bool decode_on_mma(int) {
+  constexpr bool able = !std::is_same<T, float>::value && std::is_same<T, C>::value && (D == 64 || D == 128);
+  return able && options().decode_mma;
+}
+
 // Blocks of the per-token kernel resident on one SM for this dtype, cache type, head_dim and g (cached).
 template <typename T, typename C, int D>
 int decode_blocks_per_sm(int g) {
-  static int cache[MAXG + 1] = {};
-  int& v = cache[g];
+  static int cache[2][MAXG + 1] = {};
+  const bool on_mma = decode_on_mma<T, C, D>(g);
+  int& v = cache[on_mma][g];
   if (v == 0) {
-    set_smem(attn_decode_kernel<T, C, D>, decode_smem<C, D>(MAXG));
     int n = 0;
-    FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, C, D>, NT, decode_smem<C, D>(g)),
-                   "fdl_paged_attention: occupancy query");
+    if constexpr (!std::is_same<T, float>::value && std::is_same<T, C>::value && (D == 64 || D == 128)) {
+      if (on_mma) {
+        set_smem(attn_decode_mma_kernel<T, D>, DecodeMma<T, D>::bytes);
+        FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_mma_kernel<T, D>, NT,
+                                                                     DecodeMma<T, D>::bytes),
+                       "fdl_paged_attention: occupancy query");
+      }
+    }
+    if (!on_mma) {
+      set_smem(attn_decode_kernel<T, C, D>, decode_smem<C, D>(MAXG));
+      FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, C, D>, NT, decode_smem<C, D>(g)),
+                     "fdl_paged_attention: occupancy query");
+    }
     v = std::max(1, n);
   }
   return v;
@@ -647,8 +679,22 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
     if constexpr (mma) set_smem(attn_mma_kernel<T, mma_d, f8>, MmaTile<mma_d, f8>::bytes);
     init = true;
   }
-  launch("attn_decode_kernel", attn_decode_kernel<T, C, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s,
-         pdl_rows(a.T), a);
+  bool decode_done = false;
+  if constexpr (mma && !f8) {
+    if (decode_on_mma<T, C, D>(a.g)) {
+      static bool init_dm = false;
+      if (!init_dm) {
+        set_smem(attn_decode_mma_kernel<T, mma_d>, DecodeMma<T, mma_d>::bytes);
+        init_dm = true;
+      }
+      launch("attn_decode_mma_kernel", attn_decode_mma_kernel<T, mma_d>, dim3((unsigned)a.T, a.kvh, a.splits), NT,
+             DecodeMma<T, mma_d>::bytes, s, pdl_rows(a.T), a);
+      decode_done = true;
+    }
+  }
+  if (!decode_done)
+    launch("attn_decode_kernel", attn_decode_kernel<T, C, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s,
+           pdl_rows(a.T), a);
   if (!tiles) return;
   if constexpr (mma && !f8) {
     if (options().attn_mma >= 2 && wgmma_ready()) {

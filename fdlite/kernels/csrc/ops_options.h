@@ -16,6 +16,9 @@ struct Options {
   // library has sm_90a code and the GPU is sm_90, else mma.sync; 1 mma.sync; 0 the CUDA-core tile kernel (for
   // side-by-side measurements).
   int attn_mma = 2;
+  // FDLITE_DECODE_MMA: false sends bf16 / fp16 decode attention to the CUDA-core per-token kernel instead of the
+  // mma.sync one (ops_attention.cu, decode_on_mma; for side-by-side measurements).
+  bool decode_mma = true;
 };
 
 inline Options& options() {
