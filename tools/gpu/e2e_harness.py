@@ -781,6 +781,15 @@ def set_attn_mma(on):
         gpu_ops.set_options(attn_mma=None if on is True else int(on))
 
 
+def set_decode_mma(on: bool):
+    """The decode attention kernel for the launches that follow (FDLITE_DECODE_MMA): True the default (tensor cores),
+    False the CUDA-core kernel; graphs keep what they captured. Nothing on CPU."""
+    if FDL_DEVICE == "gpu":
+        from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
+
+        gpu_ops.set_options(decode_mma=None if on else False)
+
+
 def protocol(n=256, max_in=1024, max_out=1024, seed=0):
     random.seed(seed)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_in))] for _ in range(n)]
@@ -1053,6 +1062,17 @@ def section_throughput():
                     run(f"prefill_heavy_{name}", prefill_heavy)
             finally:
                 set_attn_mma(True)
+        # the protocol with the CUDA-core decode attention (its own engine)
+        if not ARGS.quick:
+            if "llm" in state:
+                state.pop("llm").close()
+            set_decode_mma(False)
+            try:
+                run("startup_cuda_core_decode", startup)
+                if "llm" in state:
+                    run("throughput_nano_vllm_protocol_cuda_core_decode", bench)
+            finally:
+                set_decode_mma(True)
 
 
 def section_latency():
