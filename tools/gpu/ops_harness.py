@@ -755,10 +755,11 @@ def t_attn_repeat(n=40, splits=5):
 check("paged_attention decode, calls in a row share the self-resetting split counters", t_attn_repeat())
 
 
-def with_decode_kernel(mode, f):
-    """f run with FDLITE_DECODE_MMA=mode (False: the CUDA-core decode kernel; True, the default: tensor cores)."""
+def with_options(f, **options):
+    """f run with the ops library's switches `options` (gpu.set_options: attn_mma 0 CUDA cores / 1 mma.sync / 2 wgmma
+    for prefill attention, decode_mma False for the CUDA-core decode kernel), the defaults restored after."""
     def g():
-        G.set_options(decode_mma=mode)
+        G.set_options(**options)
         try:
             return f()
         finally:
@@ -778,9 +779,9 @@ for dt in ("bfloat16", "float16"):
     check(f"paged_attention tensor-core decode {dt} mixed decode+prefill 32/4 heads", t_attn(mixed_rows, h=32, kvh=4, dt=dt))
     for h, kvh in ((16, 8), (32, 4)):
         check(f"paged_attention CUDA-core decode {dt} {h}/{kvh} heads splits=auto / 3",
-              with_decode_kernel(False, lambda h=h, kvh=kvh, dt=dt: min(
+              with_options(lambda h=h, kvh=kvh, dt=dt: min(
                   (t_attn(decode_rows + [(1, 0)], h=h, kvh=kvh, dt=dt, splits=s)() for s in (0, 3)),
-                  key=lambda res: res[0])))
+                  key=lambda res: res[0]), decode_mma=False))
 check("paged_attention mixed, splits=4, max_q_len=64 bf16", t_attn(mixed_rows, splits=4, max_q_len=64))
 check("paged_attention decode-only graph attrs (max_q_len=1) + scratch-block padded rows",
       t_attn([(1, 100), (1, 1), (1, 1)], max_q_len=1, scratch_rows=(1, 2)))
@@ -798,17 +799,6 @@ if not ARGS.quick:
 mma_rows = [(5, 5), (17, 17), (63, 64), (64, 64), (65, 65), (127, 127), (129, 300), (200, 1000), (1, 40), (6, 6)]
 
 
-def with_attn_kernel(mode, f):
-    """f run with FDLITE_ATTN_MMA=mode (0 CUDA cores, 1 mma.sync, 2 wgmma), the default restored after."""
-    def g():
-        G.set_options(attn_mma=mode)
-        try:
-            return f()
-        finally:
-            G.set_options()
-    return g
-
-
 for dt in ("bfloat16", "float16"):
     for d, bs in ((64, 16), (128, 64)):
         for h, kvh in ((8, 8), (16, 8), (12, 4), (16, 4), (32, 4)):
@@ -816,7 +806,7 @@ for dt in ("bfloat16", "float16"):
                   t_attn(mma_rows, h=h, kvh=kvh, d=d, bs=bs, dt=dt))
             if (h, kvh) in ((16, 8), (12, 4)):
                 check(f"paged_attention mma.sync tiles {dt} d{d} bs{bs} {h}/{kvh} heads (g={h // kvh})",
-                      with_attn_kernel(1, t_attn(mma_rows, h=h, kvh=kvh, d=d, bs=bs, dt=dt)))
+                      with_options(t_attn(mma_rows, h=h, kvh=kvh, d=d, bs=bs, dt=dt), attn_mma=1))
 
 
 def t_attn_fp8(rows, h=16, kvh=8, d=128, bs=64, dt="bfloat16", splits=0, max_q_len=0):
@@ -885,7 +875,7 @@ for dt in ("bfloat16", "float16"):
 check("paged_attention tensor-core tiles: a prefill row alone = in a batch, bitwise (d64, g=4)",
       t_attn_row_invariance(d=64, h=16, kvh=4))
 check("paged_attention mma.sync tiles: a prefill row alone = in a batch, bitwise (bfloat16)",
-      with_attn_kernel(1, t_attn_row_invariance("bfloat16")))
+      with_options(t_attn_row_invariance("bfloat16"), attn_mma=1))
 save()
 
 # ================================================================== (f) logits, argmax, sampling

@@ -42,19 +42,8 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
   constexpr int NTD = D / 8;  // 8-column tiles of O
   const int64_t t = blockIdx.x;
   const int j = blockIdx.y, s = blockIdx.z, g = a.g;
-  const int total = a.cu[a.B];
-  int r = -1, q_len = 0, kv_len = 0, qi = 0;
-  if (t < total) {
-    r = find_row(a.cu, a.B, t);
-    q_len = a.cu[r + 1] - a.cu[r];
-    if (q_len > kDecodeMaxQ) return;  // the tile kernel owns this token
-    kv_len = a.seq_lens[r];
-    qi = (int)(t - a.cu[r]);
-  }
-  const int limit = r < 0 ? 0 : max(0, min(kv_len, kv_len - q_len + qi + 1));
-  int per = (limit + a.splits - 1) / a.splits;
-  per = (per + KC - 1) / KC * KC;
-  const int k0 = min(limit, s * per), k1 = min(limit, k0 + per);
+  int r, k0, k1;
+  if (!decode_split(a, t, s, r, k0, k1)) return;  // the tile kernel owns this token
 
   extern __shared__ float4 smem4[];
   uint8_t* sm = reinterpret_cast<uint8_t*>(smem4);

@@ -137,6 +137,28 @@ struct ChunkRows {
   }
 };
 
+// What split s of token t reads in the per-token kernels: the row r holding t (-1 past the batch's tokens: no key)
+// and the keys [k0, k1), t's causal range cut into `splits` runs of whole chunks. False: t is a prefill token (its
+// row has more than kDecodeMaxQ tokens), which the tile kernel owns.
+__device__ __forceinline__ bool decode_split(const Args& a, int64_t t, int s, int& r, int& k0, int& k1) {
+  const int total = a.cu[a.B];
+  int q_len = 0, kv_len = 0, qi = 0;
+  r = -1;
+  if (t < total) {
+    r = find_row(a.cu, a.B, t);
+    q_len = a.cu[r + 1] - a.cu[r];
+    if (q_len > kDecodeMaxQ) return false;
+    kv_len = a.seq_lens[r];
+    qi = (int)(t - a.cu[r]);
+  }
+  const int limit = r < 0 ? 0 : max(0, min(kv_len, kv_len - q_len + qi + 1));
+  int per = (limit + a.splits - 1) / a.splits;
+  per = (per + KC - 1) / KC * KC;
+  k0 = min(limit, s * per);
+  k1 = min(limit, k0 + per);
+  return true;
+}
+
 // The last block of (t, j) to get here merges the splits of the per-token kernels (attn_decode_kernel,
 // attn_decode_mma_kernel), once each block has written its split's partial (o_s unnormalized, m_s in log2 units, l_s):
 // out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the counter for the next call. scratch: at
@@ -230,19 +252,8 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
   const int64_t t = blockIdx.x;
   const int j = blockIdx.y, s = blockIdx.z, g = a.g;
-  const int total = a.cu[a.B];
-  int r = -1, q_len = 0, kv_len = 0, qi = 0;
-  if (t < total) {
-    r = find_row(a.cu, a.B, t);
-    q_len = a.cu[r + 1] - a.cu[r];
-    if (q_len > kDecodeMaxQ) return;  // the tile kernel owns this token
-    kv_len = a.seq_lens[r];
-    qi = (int)(t - a.cu[r]);
-  }
-  const int limit = r < 0 ? 0 : max(0, min(kv_len, kv_len - q_len + qi + 1));
-  int per = (limit + a.splits - 1) / a.splits;
-  per = (per + KC - 1) / KC * KC;
-  const int k0 = min(limit, s * per), k1 = min(limit, k0 + per);
+  int r, k0, k1;
+  if (!decode_split(a, t, s, r, k0, k1)) return;  // the tile kernel owns this token
 
   extern __shared__ float4 smem4[];
   float* qs = reinterpret_cast<float*>(smem4);
