@@ -185,18 +185,9 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
       mbar_wait(empty0 + 8 * (i % S), ((i / S) & 1) ^ 1);  // chunk i - S released its stage
       rows.issue(tid, stages + (i % S) * C::STAGE, kc, vc);
       if (c + 1 < nchunks) rows.compute(tid, btab, a.kvh, j, a.bs, (c + 1) * BN, kv_end);
-      if (c >= C::LAG) {  // chunk c - LAG has landed: make it visible to the MMAs (async proxy), mark it full
-        cp_async_wait<C::LAG>();
-        fence_proxy_async();
-        mbar_arrive(full0 + 8 * ((i - C::LAG) % S));
-      }
+      stage_full_lagging<C::LAG>(full0, S, i, c + 1);
     }
-    for (int c = max(0, nchunks - C::LAG); c < nchunks; ++c) {
-      if (nchunks - 1 - c >= 1) cp_async_wait<1>();
-      else cp_async_wait<0>();
-      fence_proxy_async();
-      mbar_arrive(full0 + 8 * ((it0 + c) % S));
-    }
+    stages_rest_full<C::LAG>(full0, S, it0 + nchunks, nchunks);
     return;
   }
 
@@ -353,9 +344,7 @@ __global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, i
   using C = WgTile<D>;
   pdl_trigger();
   extern __shared__ float4 smem4[];
-  // the swizzle pattern repeats every 1024 bytes of the shared address space, from a 1024-aligned address
-  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem4);
-  uint8_t* smem = reinterpret_cast<uint8_t*>(smem4) + (((base + 1023) & ~1023u) - base);
+  uint8_t* smem = smem_align1024(smem4);
   WgPipe pipe{(uint32_t)__cvta_generic_to_shared(smem + C::BAR_OFF), 0, 0};
   const uint32_t item_full = pipe.bars + 8 * (2 * C::STAGES + 2), item_empty = item_full + 8 * C::ITEMS;
   volatile int* ring = reinterpret_cast<volatile int*>(smem + C::ITEM_OFF);

@@ -21,6 +21,7 @@
 // of its tile are: a token's result does not depend on its batch among launches of this kernel.
 #pragma once
 
+#include "mma_sync.cuh"
 #include "moe_gemm.cuh"
 #include "wgmma.cuh"
 
@@ -56,9 +57,7 @@ __global__ void __launch_bounds__(C::NTH, 1) moe_gemm_wgmma_kernel(MoeGemmArgs p
   pdl_trigger();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ float4 moe_wg_smem4[];
-  // the swizzle pattern repeats every 1024 bytes of the shared address space, from a 1024-aligned address
-  const uint32_t base = (uint32_t)__cvta_generic_to_shared(moe_wg_smem4);
-  uint8_t* smem = reinterpret_cast<uint8_t*>(moe_wg_smem4) + (((base + 1023) & ~1023u) - base);
+  uint8_t* smem = smem_align1024(moe_wg_smem4);
   const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(smem + C::BAR_OFF), empty0 = full0 + 8 * C::STAGES;
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
@@ -134,19 +133,10 @@ __global__ void __launch_bounds__(C::NTH, 1) moe_gemm_wgmma_kernel(MoeGemmArgs p
           cp_async16(Bs + soff + n * C::RSTEP * 128, valid ? bsrc[n] + k0 : a, valid);
         }
         cp_async_commit();
-        if (it >= C::LAG) {  // chunk it - LAG has landed: make it visible to the MMAs (async proxy), mark it full
-          cp_async_wait<C::LAG>();
-          fence_proxy_async();
-          mbar_arrive(full0 + 8 * ((it - C::LAG) % C::STAGES));
-        }
+        stage_full_lagging<C::LAG>(full0, C::STAGES, it, it + 1);  // one stream across the items
       }
     }
-    for (int i = max(0, it - C::LAG); i < it; ++i) {  // the last chunks, across the item boundary until now
-      if (it - 1 - i >= 1) cp_async_wait<1>();
-      else cp_async_wait<0>();
-      fence_proxy_async();
-      mbar_arrive(full0 + 8 * (i % C::STAGES));
-    }
+    stages_rest_full<C::LAG>(full0, C::STAGES, it, it);
     return;
   }
 

@@ -615,23 +615,26 @@ void set_smem(K kernel, size_t bytes) {
                    "fdl_paged_attention: cudaFuncSetAttribute");
 }
 
-// Whether the tensor-core per-token kernel (attention_decode_mma.cuh) takes the decode tokens: bf16 / fp16 at
-// head_dim 64 / 128 over model-dtype caches, unless FDLITE_DECODE_MMA=0 (the CUDA-core kernel, for side-by-side runs).
+// Whether the tensor-core per-token kernel (attention_decode_mma.cuh) exists for these types: bf16 / fp16 at
+// head_dim 64 / 128 over model-dtype caches; it takes the decode tokens unless FDLITE_DECODE_MMA=0 (the CUDA-core
+// kernel, for side-by-side runs).
 template <typename T, typename C, int D>
-bool decode_on_mma(int) {
-  constexpr bool able = !std::is_same<T, float>::value && std::is_same<T, C>::value && (D == 64 || D == 128);
-  return able && options().decode_mma;
+constexpr bool kDecodeMmaBuilt = !std::is_same<T, float>::value && std::is_same<T, C>::value && (D == 64 || D == 128);
+
+template <typename T, typename C, int D>
+bool decode_on_mma() {
+  return kDecodeMmaBuilt<T, C, D> && options().decode_mma;
 }
 
 // Blocks of the per-token kernel resident on one SM for this dtype, cache type, head_dim and g (cached).
 template <typename T, typename C, int D>
 int decode_blocks_per_sm(int g) {
   static int cache[2][MAXG + 1] = {};
-  const bool on_mma = decode_on_mma<T, C, D>(g);
+  const bool on_mma = decode_on_mma<T, C, D>();
   int& v = cache[on_mma][g];
   if (v == 0) {
     int n = 0;
-    if constexpr (!std::is_same<T, float>::value && std::is_same<T, C>::value && (D == 64 || D == 128)) {
+    if constexpr (kDecodeMmaBuilt<T, C, D>) {
       if (on_mma) {
         set_smem(attn_decode_mma_kernel<T, D>, DecodeMma<T, D>::bytes);
         FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_mma_kernel<T, D>, NT,
@@ -691,15 +694,15 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
     init = true;
   }
   bool decode_done = false;
-  if constexpr (mma && !f8) {
-    if (decode_on_mma<T, C, D>(a.g)) {
+  if constexpr (kDecodeMmaBuilt<T, C, D>) {
+    if (decode_on_mma<T, C, D>()) {
       static bool init_dm = false;
       if (!init_dm) {
-        set_smem(attn_decode_mma_kernel<T, mma_d>, DecodeMma<T, mma_d>::bytes);
+        set_smem(attn_decode_mma_kernel<T, D>, DecodeMma<T, D>::bytes);
         init_dm = true;
       }
-      launch("attn_decode_mma_kernel", attn_decode_mma_kernel<T, mma_d>, dim3((unsigned)a.T, a.kvh, a.splits), NT,
-             DecodeMma<T, mma_d>::bytes, s, pdl_rows(a.T), a);
+      launch("attn_decode_mma_kernel", attn_decode_mma_kernel<T, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT,
+             DecodeMma<T, D>::bytes, s, pdl_rows(a.T), a);
       decode_done = true;
     }
   }

@@ -9,19 +9,20 @@
 //   3. down GEMM per M tile, the choice's router weight applied in its epilogue -> y [T k, H], each choice
 //      at its own row t k + j;
 //   4. un-permute: out[t] = sum of y[t k + j] over j = 0 .. k - 1 in that order, in fp32, rounded once.
-// bf16 / fp16 run the GEMMs on tensor cores: Hopper wgmma with 128 x 256 tiles at prefill sizes
-// (moe_gemm_wgmma.cuh), mma.sync otherwise (moe_gemm_mma.cuh); fp32 on CUDA cores in true fp32 (moe_gemm_fma.cuh).
+// bf16 / fp16 run the GEMMs on tensor cores: Hopper wgmma with 128 x 256 tiles where the GPU runs sm_90a code
+// (moe_gemm_wgmma.cuh), mma.sync elsewhere (moe_gemm_mma.cuh); fp32 on CUDA cores in true fp32 (moe_gemm_fma.cuh).
 //
 // Why our own grouped GEMM rather than cuBLAS's grouped batched GEMM (12.5+) or CUTLASS: both take the
 // per-expert row counts on the host, and here they exist only on the device (step 1), inside graphs; the
 // gather of A rows and both epilogues would be extra passes there.
 //
 // BM (`block_m`, 0 = automatic): 128 (the wgmma kernels) for bf16 / fp16 where the GPU runs sm_90a code, at
-// every size (decode too: their deeper pipeline streams the touched experts' weights at 78-85% of HBM speed
-// against the mma.sync kernels' 56-62%, measured; padding rows cost MMA time there, not memory traffic);
+// every size (decode too: their deeper pipeline streams the touched experts' weights at 80-86% of HBM speed
+// against the mma.sync kernels' 54-61%, measured; padding rows cost MMA time there, not memory traffic);
 // otherwise 16 when an expert gets at most 16 rows on average (each touched expert's weights are then read once
-// per step, as one M tile), else 64. The choice depends only on (T, k, E, dtype), so a captured graph keeps it. Every grid depends only on (T, k, E, BM, H, I); scratch comes from paddle::empty (the
-// graph's pool inside a capture), sized by T: the profiling run at max_num_batched_tokens sees the peak.
+// per step, as one M tile), else 64. The choice depends only on (T, k, E, dtype), so a captured graph keeps it.
+// Every grid depends only on (T, k, E, BM, H, I); scratch comes from paddle::empty (the graph's pool inside a
+// capture), sized by T: the profiling run at max_num_batched_tokens sees the peak.
 #include <algorithm>
 #include <type_traits>
 
@@ -70,28 +71,28 @@ using MmaDown16 = MoeMmaCfg<16, 128, 1, 4, false, 4>;
 using MmaUp64 = MoeMmaCfg<64, 64, 2, 2, true, 3>;
 using MmaDown64 = MoeMmaCfg<64, 128, 2, 2, false, 3>;
 
+// The dynamic shared memory `Kernel` launches with: a host-side attribute, set once per kernel (also fine during a
+// capture).
+template <auto Kernel>
+void allow_smem(size_t bytes) {
+  static bool done = false;
+  if (!done) {
+    FDL_CHECK_CUDA(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+                   "fdl_moe_experts: cudaFuncSetAttribute");
+    done = true;
+  }
+}
+
 template <typename T, typename C>
 void launch_mma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s) {
-  static bool init = false;
-  if (!init) {  // host-side attribute, once per instantiation (also fine during a capture)
-    FDL_CHECK_CUDA(cudaFuncSetAttribute(moe_gemm_mma_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)C::smem_bytes),
-                   "fdl_moe_experts: cudaFuncSetAttribute");
-    init = true;
-  }
+  allow_smem<moe_gemm_mma_kernel<T, C>>(C::smem_bytes);
   const dim3 grid((unsigned)tiles, (unsigned)ceil_div(a.N, C::BN));
   launch("moe_gemm_mma_kernel", moe_gemm_mma_kernel<T, C>, grid, C::NTH, C::smem_bytes, s, pdl, a);
 }
 
 template <typename T, typename C>
 void launch_wgmma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s) {
-  static bool init = false;
-  if (!init) {
-    FDL_CHECK_CUDA(cudaFuncSetAttribute(moe_gemm_wgmma_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)C::bytes),
-                   "fdl_moe_experts: cudaFuncSetAttribute");
-    init = true;
-  }
+  allow_smem<moe_gemm_wgmma_kernel<T, C>>(C::bytes);
   const int64_t nblocks = ceil_div(a.N, C::OUT_N), items = tiles * nblocks;  // at most: tiles past the real ones
   launch("moe_gemm_wgmma_kernel", moe_gemm_wgmma_kernel<T, C>, (unsigned)std::min<int64_t>(items, num_sms()), C::NTH,
          C::bytes, s, pdl, a, (int)tiles, (int)nblocks);  // persistent: one block per SM at most

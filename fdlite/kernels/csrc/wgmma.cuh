@@ -66,6 +66,37 @@ __device__ __forceinline__ void wg_wait() {
 }
 // cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// The loader's side of the hand-over of cp.async-filled stages to wgmma, LAG chunks behind its copies (each chunk's
+// copies one commit group): after committing chunk i, chunk i - LAG has landed; it is made visible to the MMAs (the
+// async proxy) and its stage marked full (mbarrier full0 + 8 ((i - LAG) % stages)). `issued`: chunks committed since
+// the last stages_rest_full (chunk i included), so the chunks before it are not marked twice.
+template <int LAG>
+__device__ __forceinline__ void stage_full_lagging(uint32_t full0, int stages, int i, int issued) {
+  if (issued > LAG) {
+    cp_async_wait<LAG>();
+    fence_proxy_async();
+    mbar_arrive(full0 + 8 * ((i - LAG) % stages));
+  }
+}
+// ... and the last min(n, LAG) of the n chunks committed since, ending before chunk `end`, marked full as they land.
+template <int LAG>
+__device__ __forceinline__ void stages_rest_full(uint32_t full0, int stages, int end, int n) {
+  static_assert(LAG <= 2, "the waits below count down from one group in flight");
+  for (int c = max(0, n - LAG); c < n; ++c) {  // chunk end - n + c
+    if (n - 1 - c >= 1) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    fence_proxy_async();
+    mbar_arrive(full0 + 8 * ((end - n + c) % stages));
+  }
+}
+
+// The dynamic shared memory from the first 1024-byte boundary at or after p: the 128-byte swizzle repeats every
+// 1024 bytes of the shared address space, from a 1024-aligned address (kernels reserve 1024 bytes more for it).
+__device__ __forceinline__ uint8_t* smem_align1024(void* p) {
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(p);
+  return reinterpret_cast<uint8_t*>(p) + (((base + 1023) & ~1023u) - base);
+}
+
 // Keeps the compiler from moving reads or writes of accumulators across a wgmma issue or wait.
 template <int N>
 __device__ __forceinline__ void wg_pin(float (&d)[N]) {
