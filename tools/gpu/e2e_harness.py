@@ -771,23 +771,16 @@ def section_memory():
 
 # ---- throughput (nano-vllm's protocol) ------------------------------------------------------------
 
-def set_attn_mma(on):
-    """The prefill attention kernel for the launches that follow (FDLITE_ATTN_MMA): True the default (wgmma on the
-    H100), False the CUDA-core kernel, or a mode (0 CUDA cores, 1 mma.sync, 2 wgmma); graphs keep what they
-    captured. Nothing on CPU."""
+def set_kernels(attn_mma=True, decode_mma=True):
+    """The ops library's attention kernels for the launches that follow: attn_mma (FDLITE_ATTN_MMA) True the default
+    (wgmma on the H100), False the CUDA-core tile kernel, or a mode (0 CUDA cores, 1 mma.sync, 2 wgmma); decode_mma
+    (FDLITE_DECODE_MMA) True the default (tensor cores), False the CUDA-core kernel. No argument: the defaults. Graphs
+    keep what they captured. Nothing on CPU."""
     if FDL_DEVICE == "gpu":
         from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
 
-        gpu_ops.set_options(attn_mma=None if on is True else int(on))
-
-
-def set_decode_mma(on: bool):
-    """The decode attention kernel for the launches that follow (FDLITE_DECODE_MMA): True the default (tensor cores),
-    False the CUDA-core kernel; graphs keep what they captured. Nothing on CPU."""
-    if FDL_DEVICE == "gpu":
-        from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
-
-        gpu_ops.set_options(decode_mma=None if on else False)
+        gpu_ops.set_options(attn_mma=None if attn_mma is True else int(attn_mma),
+                            decode_mma=None if decode_mma is True else False)
 
 
 def protocol(n=256, max_in=1024, max_out=1024, seed=0):
@@ -1055,24 +1048,24 @@ def section_throughput():
         for mode, name in ((1, "mma_sync"), (0, "cuda_cores")) if not ARGS.quick else ():
             if "llm" in state:
                 state.pop("llm").close()
-            set_attn_mma(mode)
+            set_kernels(attn_mma=mode)
             try:
                 run(f"startup_{name}_attention", startup)
                 if "llm" in state:
                     run(f"prefill_heavy_{name}", prefill_heavy)
             finally:
-                set_attn_mma(True)
+                set_kernels()
         # the protocol with the CUDA-core decode attention (its own engine)
         if not ARGS.quick:
             if "llm" in state:
                 state.pop("llm").close()
-            set_decode_mma(False)
+            set_kernels(decode_mma=False)
             try:
                 run("startup_cuda_core_decode", startup)
                 if "llm" in state:
                     run("throughput_nano_vllm_protocol_cuda_core_decode", bench)
             finally:
-                set_decode_mma(True)
+                set_kernels()
 
 
 def section_latency():
@@ -1452,9 +1445,10 @@ def section_churn():
     prompts, outs = churn_requests(n)
     common = dict(skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
                   max_num_batched_tokens=8192, num_gpu_blocks_override=4000)
-    # The kernel switch (FDLITE_ATTN_MMA) is set for each engine's capture and its runs.
+    # The kernel switches (FDLITE_ATTN_MMA, FDLITE_DECODE_MMA) are set for each engine's capture and its runs; the
+    # engine issue 24 was filed against had CUDA-core prefill and decode attention.
     before = {"graph_optimization_config": {"cudagraph_mixed_capture_sizes": []}, "async_scheduling": False}
-    variants = [("before: decode graphs only, CUDA-core prefill attention, sync", before, False),
+    variants = [("before: decode graphs only, CUDA-core prefill and decode attention, sync", before, False),
                 ("today's defaults (token-count graphs, tensor-core attention, async)", {}, True),
                 ("today's, sync", {"async_scheduling": False}, True)]
     variants.append(("before (again)", before, False))
@@ -1463,7 +1457,7 @@ def section_churn():
     def startup(name, extra, use_mma):
         def f():
             t = time.time()
-            set_attn_mma(use_mma)
+            set_kernels(attn_mma=use_mma, decode_mma=use_mma)
             llms[name] = LLM(qwen3_06b(), **common, **extra)
             return {"startup_s": round(time.time() - t, 1), "kv_blocks": llms[name].num_blocks,
                     "mixed_sizes": llms[name].startup_report["cudagraph_mixed_sizes"]}
@@ -1471,7 +1465,7 @@ def section_churn():
 
     def job(name, use_mma):
         def f():
-            set_attn_mma(use_mma)
+            set_kernels(attn_mma=use_mma, decode_mma=use_mma)
             run_job(llms[name], prompts[:16], outs[:16])  # warm-up
             return run_job(llms[name], prompts, outs)
         return f
@@ -1484,7 +1478,7 @@ def section_churn():
                 run(name, job(name, use_mma))
             finally:
                 llms.pop(name).close()
-                set_attn_mma(True)
+                set_kernels()
     b0, now, b1 = variants[0][0], variants[1][0], variants[-1][0]
     r = RES["results"]
     if now in r and b0 in r:

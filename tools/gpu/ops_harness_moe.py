@@ -188,7 +188,7 @@ def checks(h) -> None:
 
     for dt in h.DTYPES:
         check(f"graph: moe_route + moe_experts {dt}, 3 replays with new routings = eager", t_graph(dt))
-        if dt != "float32":  # many rows per expert; the mma.sync kernels
+        if dt != "float32":  # many rows per expert (several M tiles each); the mma.sync kernels forced
             check(f"graph: moe_route + moe_experts {dt} T=300 E=8 k=2, 3 replays = eager", t_graph(dt, T=300, E=8, k=2))
             check(f"graph: moe_route + moe_experts {dt} mma.sync (block_m 16), 3 replays = eager", t_graph(dt, bm=16))
 
