@@ -783,6 +783,34 @@ for dt in ("bfloat16", "float16"):
                   (t_attn(decode_rows + [(1, 0)], h=h, kvh=kvh, dt=dt, splits=s)() for s in (0, 3)),
                   key=lambda res: res[0]), decode_mma=False))
 check("paged_attention mixed, splits=4, max_q_len=64 bf16", t_attn(mixed_rows, splits=4, max_q_len=64))
+
+
+def t_attn_tail(rows, tail, max_q_len=0, h=16, kvh=8, d=128, dt="bfloat16", splits=0):
+    """`tail` tokens past the last row (a captured size's padding: q has T + tail rows, cu ends at T): their outputs
+    are zeros, written into NaN-seeded memory, the rows' outputs as usual; max_q_len 1-4 sets the per-token grid's
+    slots per row (a row's tokens past it would be missed: every row here respects it)."""
+    def f():
+        b = Batch(rows, h, kvh, d, 64, dt)
+        scale = d ** -0.5
+        ins = list(b.inputs())
+        ins[0] = to_gpu(np.concatenate([b.q, q(rng.standard_normal((tail, h, d)), dt)]), dt)
+        out = to_np(G.paged_attention(*ins, scale, max_q_len, splits))
+        sync()
+        ref = np.concatenate([q(b.ref(scale), dt), np.zeros((tail, h * d))])
+        err = relerr(out, ref)
+        tail_zero = bool(np.all(out[b.T:] == 0))
+        return err <= 1.6e-2 and tail_zero, err, 1.6e-2, f"T={b.T}+{tail} tail zeros={tail_zero} max_q_len={max_q_len}"
+    return f
+
+
+check("paged_attention padding tokens past the rows: zeros (decode rows, max_q_len=1)",
+      t_attn_tail([(1, 40), (1, 300), (1, 1)], 5, max_q_len=1))
+check("paged_attention padding tokens past the rows: zeros (2- and 3-token rows, max_q_len=3, splits=3)",
+      t_attn_tail([(3, 70), (2, 9), (1, 130), (3, 3)], 9, max_q_len=3, splits=3))
+check("paged_attention padding tokens past the rows: zeros (mixed rows, every slot of a 4-token row used)",
+      t_attn_tail([(4, 200), (4, 4), (50, 150), (1, 7)], 300, h=32, kvh=4))
+check("paged_attention padding tokens past the rows: zeros (prefill rows only)",
+      t_attn_tail([(100, 100), (37, 300)], 64))
 check("paged_attention decode-only graph attrs (max_q_len=1) + scratch-block padded rows",
       t_attn([(1, 100), (1, 1), (1, 1)], max_q_len=1, scratch_rows=(1, 2)))
 check("paged_attention bs16 d64 14/2 heads (g=7) mixed bf16", t_attn(mixed_rows, h=14, kvh=2, d=64, bs=16))

@@ -40,10 +40,10 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
   using L = Layout<T, D>;
   using C = DecodeMma<T, D>;
   constexpr int NTD = D / 8;  // 8-column tiles of O
-  const int64_t t = blockIdx.x;
   const int j = blockIdx.y, s = blockIdx.z, g = a.g;
-  int r, k0, k1;
-  if (!decode_split(a, t, s, r, k0, k1)) return;  // the tile kernel owns this token
+  if (s == 0) decode_zero_tail<T, D>(a, blockIdx.x, j);
+  int t, r, k0, k1;
+  if (!decode_split(a, blockIdx.x, s, t, r, k0, k1)) return;  // no decode token in this slot
 
   extern __shared__ float4 smem4[];
   uint8_t* sm = reinterpret_cast<uint8_t*>(smem4);
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
     const int m = i / L::VPR, c = i - m * L::VPR;
     cp_async16(Qs + m * C::ROW + c * L::VE, m < g ? q + m * D + c * L::VE : q, m < g);
   }
-  const int* btab = r < 0 ? a.block_tables : a.block_tables + (int64_t)r * a.max_blocks;
+  const int* btab = a.block_tables + (int64_t)r * a.max_blocks;
   const T* kc = static_cast<const T*>(a.kc);
   const T* vc = static_cast<const T*>(a.vc);
   const int nchunks = k1 > k0 ? (k1 - k0 + KC - 1) / KC : 0;

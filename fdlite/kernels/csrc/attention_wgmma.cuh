@@ -65,6 +65,9 @@ struct WgTile {
   static constexpr size_t bytes = ITEM_OFF + ITEMS * 4 + 1024;
 };
 
+// How far (log2 units) a chunk's max may pass a row's running max before the running max moves (and O is rescaled).
+constexpr float kLazyLog2 = 8.f;
+
 // 2^x on the SFU in one instruction (exp2f adds range handling the softmax does not need: 2^-inf = 0 here too).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -202,6 +205,7 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
     lim[hf] = m < M ? min(kv_end, pos0 + m / g + 1) : 0;
   }
   float o[C::PANELS][32], mx[2], ls[2];
+  const float lazy = kLazyLog2 / a.scale_log2;  // the threshold in raw score units (the scale is positive)
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     mx[hf] = -CUDART_INF_F;
@@ -211,12 +215,13 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
   for (int p = 0; p < C::PANELS; ++p)
 #pragma unroll
     for (int i = 0; i < 32; ++i) o[p][i] = 0.f;
-  const uint32_t q_addr = (uint32_t)__cvta_generic_to_shared(qs) + (wg - 1) * 64 * 128;
+  const uint64_t q_desc = wg_desc((uint32_t)__cvta_generic_to_shared(qs) + (wg - 1) * 64 * 128, 16, 1024);
   const uint32_t st_addr = (uint32_t)__cvta_generic_to_shared(stages);
 
   for (int c = 0; c < nchunks; ++c) {
     const int i = it0 + c, kb = c * BN;
-    const uint32_t k_addr = st_addr + (i % S) * C::STAGE, v_addr = k_addr + C::KV_BYTES;
+    const uint32_t k_addr = st_addr + (i % S) * C::STAGE;
+    const uint64_t k_desc = wg_desc(k_addr, 16, 1024), v_desc = wg_desc(k_addr + C::KV_BYTES, C::KV_PANEL, 1024);
     mbar_wait(full0 + 8 * (i % S), (i / S) & 1);
     // Ping-pong (FlashAttention-3): the two warpgroups take turns issuing S = Q K^T, so one's softmax runs while
     // the other's MMAs do, instead of both waiting for the same chunk and then both computing softmax at once.
@@ -226,8 +231,8 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
 #pragma unroll
     for (int kk = 0; kk < NKQ; ++kk) {
       const uint32_t col = (kk & 3) * 32;  // 16 columns of the 64-column panel
-      wgmma_m64n64k16_ss<T>(s, wg_desc(q_addr + (kk >> 2) * C::Q_PANEL + col, 16, 1024),
-                            wg_desc(k_addr + (kk >> 2) * C::KV_PANEL + col, 16, 1024), kk > 0);
+      wgmma_m64n64k16_ss<T>(s, wg_desc_add(q_desc, (kk >> 2) * C::Q_PANEL + col),
+                            wg_desc_add(k_desc, (kk >> 2) * C::KV_PANEL + col), kk > 0);
     }
     wg_commit();
     named_bar_arrive(3 - wg, 2 * C::WG);  // the other warpgroup's turn
@@ -252,6 +257,7 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
           for (int e = 0; e < 2; ++e)
             if (kb + nb * 8 + 2 * (lane & 3) + e >= lim[hf]) s[nb * 4 + hf * 2 + e] = -CUDART_INF_F;
     }
+    float al[2];  // each row's factor for O and its sum: exactly 1 unless its running max moved
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       float cm[4];  // four partial maxima: short dependency chains
@@ -262,8 +268,11 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
       float m_c = fmaxf(fmaxf(cm[0], cm[1]), fmaxf(cm[2], cm[3]));
       m_c = fmaxf(m_c, __shfl_xor_sync(0xffffffffu, m_c, 1));
       m_c = fmaxf(m_c, __shfl_xor_sync(0xffffffffu, m_c, 2));
-      const float m_new = fmaxf(mx[hf], m_c);
-      const float al = m_new == -CUDART_INF_F ? 1.f : fast_exp2((mx[hf] - m_new) * a.scale_log2);
+      // The running max moves only when the chunk's passes it by more than kLazyLog2 (FlashAttention-4's lazy
+      // rescaling; the first finite max always): probabilities stay below 2^kLazyLog2, well inside fp32 and bf16,
+      // and O is rescaled only on the few chunks where a max moved. Decided from the row's own scores alone.
+      const float m_new = m_c > mx[hf] + lazy ? m_c : mx[hf];
+      al[hf] = m_new == mx[hf] ? 1.f : fast_exp2((mx[hf] - m_new) * a.scale_log2);  // 0 after -inf: O, l are 0
       mx[hf] = m_new;
       const float sub = m_new == -CUDART_INF_F ? 0.f : m_new * a.scale_log2;  // all masked so far: p = 0
       float ps[2] = {0.f, 0.f};
@@ -275,14 +284,18 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
           v = fast_exp2(fmaf(v, a.scale_log2, -sub));
           ps[nb & 1] += v;
         }
-      ls[hf] = ls[hf] * al + (ps[0] + ps[1]);
+      ls[hf] = ls[hf] * al[hf] + (ps[0] + ps[1]);
+    }
+    if (__any_sync(0xffffffffu, al[0] != 1.f || al[1] != 1.f)) {  // (multiplying by 1 would change no bit)
 #pragma unroll
-      for (int p = 0; p < C::PANELS; ++p)
+      for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-        for (int nb = 0; nb < 8; ++nb) {
-          o[p][nb * 4 + hf * 2] *= al;
-          o[p][nb * 4 + hf * 2 + 1] *= al;
-        }
+        for (int p = 0; p < C::PANELS; ++p)
+#pragma unroll
+          for (int nb = 0; nb < 8; ++nb) {
+            o[p][nb * 4 + hf * 2] *= al[hf];
+            o[p][nb * 4 + hf * 2 + 1] *= al[hf];
+          }
     }
     // O += P V: P's accumulator layout is the A-register layout, 16 keys per k-step; left in flight
     uint32_t pf[NKP][4];
@@ -300,7 +313,7 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
     for (int kk = 0; kk < NKP; ++kk)
 #pragma unroll
       for (int p = 0; p < C::PANELS; ++p)
-        wgmma_m64n64k16_rs_tb<T>(o[p], pf[kk], wg_desc(v_addr + p * C::KV_PANEL + kk * 16 * 128, C::KV_PANEL, 1024));
+        wgmma_m64n64k16_rs_tb<T>(o[p], pf[kk], wg_desc_add(v_desc, p * C::KV_PANEL + kk * 16 * 128));
     wg_commit();
   }
   if (nchunks > 0) {

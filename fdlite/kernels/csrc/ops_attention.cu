@@ -17,7 +17,10 @@
 //
 // Two kernels, both always launched with grids that depend only on shapes and attributes (so a
 // captured graph replays for any batch content):
-//  - per-token ("decode") kernel, grid (T, kvh, splits): tokens of rows with q_len <= 4. One block
+//  - per-token ("decode") kernel, grid (B x qpr, kvh, splits): tokens of rows with q_len <= 4, qpr
+//    (the caller's bound on q_len, else 4) token slots per row, so a prefill step launches a few blocks per row
+//    rather than one per token (each of which had to find its row and exit: 20% of a prefill layer's attention
+//    at 8k tokens, measured); the padding tokens past the rows get zeros from these blocks too. One block
 //    holds the h / kvh query heads of one KV head, so each K/V byte is read once per KV head;
 //    long contexts are split across blocks, and the last block of each (token, KV head) to finish
 //    merges the splits (a self-resetting counter: no second kernel to launch and wait for). bf16 / fp16
@@ -64,6 +67,8 @@ struct Args {
   int* counters;   // [T * kvh] finished splits per (token, KV head); zero between calls
   int64_t T;
   int B, max_blocks, h, kvh, g, bs, splits;
+  int qpr;     // token slots per row in the per-token kernels' grid (1..kDecodeMaxQ)
+  int dslots;  // blocks along x of that grid: B qpr, at least 1
   float scale_log2;
   const float* ksc;  // FP8 caches: float32 scale per cache row of K and of V (nullptr: model-dtype caches)
   const float* vsc;
@@ -137,26 +142,37 @@ struct ChunkRows {
   }
 };
 
-// What split s of token t reads in the per-token kernels: the row r holding t (-1 past the batch's tokens: no key)
-// and the keys [k0, k1), t's causal range cut into `splits` runs of whole chunks. False: t is a prefill token (its
-// row has more than kDecodeMaxQ tokens), which the tile kernel owns.
-__device__ __forceinline__ bool decode_split(const Args& a, int64_t t, int s, int& r, int& k0, int& k1) {
-  const int total = a.cu[a.B];
-  int q_len = 0, kv_len = 0, qi = 0;
-  r = -1;
-  if (t < total) {
-    r = find_row(a.cu, a.B, t);
-    q_len = a.cu[r + 1] - a.cu[r];
-    if (q_len > kDecodeMaxQ) return false;
-    kv_len = a.seq_lens[r];
-    qi = (int)(t - a.cu[r]);
-  }
-  const int limit = r < 0 ? 0 : max(0, min(kv_len, kv_len - q_len + qi + 1));
+// What block x of the per-token kernels' grid does in split s: token t, the (x % qpr)-th of row r = x / qpr when r is
+// a decode row (q_len <= kDecodeMaxQ) that has such a token, reading the keys [k0, k1), t's causal range cut into
+// `splits` runs of whole chunks. False: no such token (a slot past the row's tokens, or a prefill row's slot: the
+// tile kernel owns its tokens).
+__device__ __forceinline__ bool decode_split(const Args& a, int x, int s, int& t, int& r, int& k0, int& k1) {
+  r = x / a.qpr;
+  const int i = x - r * a.qpr;
+  if (r >= a.B) return false;
+  const int q0 = a.cu[r], q_len = a.cu[r + 1] - q0;
+  if (q_len > kDecodeMaxQ || i >= q_len) return false;
+  t = q0 + i;
+  const int kv_len = a.seq_lens[r];
+  const int limit = max(0, min(kv_len, kv_len - q_len + i + 1));
   int per = (limit + a.splits - 1) / a.splits;
   per = (per + KC - 1) / KC * KC;
   k0 = min(limit, s * per);
   k1 = min(limit, k0 + per);
   return true;
+}
+
+// Tokens past the batch's rows (cu[B] <= t < T: the padding of a captured size) belong to no row: their outputs are
+// zeros, written by the per-token kernels' split-0 blocks, block x taking every dslots-th such token.
+template <typename T, int D>
+__device__ __forceinline__ void decode_zero_tail(const Args& a, int x, int j) {
+  const int T_ = (int)a.T, gd2 = a.g * D / 2;
+#pragma unroll 1
+  for (int t = a.cu[a.B] + x; t < T_; t += a.dslots) {
+    uint32_t* o = reinterpret_cast<uint32_t*>(static_cast<T*>(a.out) + ((int64_t)t * a.h + (int64_t)j * a.g) * D);
+#pragma unroll 1
+    for (int i = threadIdx.x; i < gd2; i += NT) o[i] = 0u;
+  }
 }
 
 // The last block of (t, j) to get here merges the splits of the per-token kernels (attn_decode_kernel,
@@ -250,10 +266,10 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
   using L = Layout<C, D>;
   constexpr bool F8 = std::is_same<C, uint8_t>::value;
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
-  const int64_t t = blockIdx.x;
   const int j = blockIdx.y, s = blockIdx.z, g = a.g;
-  int r, k0, k1;
-  if (!decode_split(a, t, s, r, k0, k1)) return;  // the tile kernel owns this token
+  if (s == 0) decode_zero_tail<T, D>(a, blockIdx.x, j);
+  int t, r, k0, k1;
+  if (!decode_split(a, blockIdx.x, s, t, r, k0, k1)) return;  // no decode token in this slot
 
   extern __shared__ float4 smem4[];
   float* qs = reinterpret_cast<float*>(smem4);
@@ -271,7 +287,7 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
     m_s[i] = -CUDART_INF_F;
     l_s[i] = 0.f;
   }
-  const int* btab = r < 0 ? a.block_tables : a.block_tables + (int64_t)r * a.max_blocks;
+  const int* btab = a.block_tables + (int64_t)r * a.max_blocks;
   const C* kc = static_cast<const C*>(a.kc);
   const C* vc = static_cast<const C*>(a.vc);
   const int nchunks = k1 > k0 ? (k1 - k0 + KC - 1) / KC : 0;
@@ -701,13 +717,13 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
         set_smem(attn_decode_mma_kernel<T, D>, DecodeMma<T, D>::bytes);
         init_dm = true;
       }
-      launch("attn_decode_mma_kernel", attn_decode_mma_kernel<T, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT,
+      launch("attn_decode_mma_kernel", attn_decode_mma_kernel<T, D>, dim3((unsigned)a.dslots, a.kvh, a.splits), NT,
              DecodeMma<T, D>::bytes, s, pdl_rows(a.T), a);
       decode_done = true;
     }
   }
   if (!decode_done)
-    launch("attn_decode_kernel", attn_decode_kernel<T, C, D>, dim3((unsigned)a.T, a.kvh, a.splits), NT, dsm, s,
+    launch("attn_decode_kernel", attn_decode_kernel<T, C, D>, dim3((unsigned)a.dslots, a.kvh, a.splits), NT, dsm, s,
            pdl_rows(a.T), a);
   if (!tiles) return;
   if constexpr (mma && !f8) {
@@ -783,6 +799,10 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   const int B = (int)block_tables.shape()[0], max_blocks = (int)block_tables.shape()[1];
   PD_CHECK(seq_lens.numel() == B && cu_seqlens.numel() == B + 1, op, ": seq_lens_kv [B] and cu_seqlens_q [B + 1]");
 
+  // the per-token kernels' grid: qpr token slots per row (max_q_len when it bounds q_len within kDecodeMaxQ)
+  const int qpr = max_q_len >= 1 && max_q_len <= kDecodeMaxQ ? max_q_len : kDecodeMaxQ;
+  const int64_t dslots = std::max<int64_t>(1, (int64_t)B * qpr);
+  const int64_t decode_tokens = std::min<int64_t>(T, dslots);  // at most: what the split rule sizes
   int splits = num_splits;
   if (splits <= 0) {
     int per_sm = 1;
@@ -800,7 +820,7 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
         }
       }
     });
-    splits = choose_splits(T * kvh, std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC)),
+    splits = choose_splits(decode_tokens * kvh, std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC)),
                            (int64_t)per_sm * num_sms());
   }
   splits = std::max(1, std::min(splits, 64));
@@ -825,6 +845,8 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   a.g = g;
   a.bs = bs;
   a.splits = splits;
+  a.qpr = qpr;
+  a.dslots = (int)dslots;
   a.scale_log2 = scale * 1.4426950408889634f;
   a.counters = split_counters(stream_of(q));
   if (splits > 1 && T > 0) {

@@ -58,6 +58,13 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32
          ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// The descriptor of the matrix `bytes` further on in shared memory: only the start address field (bits 0-13, 16-byte
+// units) changes, and it never carries into the next field (shared memory ends below 2^18 bytes), so a kernel builds
+// one descriptor per stage and steps through its k-slices and panels with one 32-bit add each.
+__device__ __forceinline__ uint64_t wg_desc_add(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)d + (bytes >> 4));
+}
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
