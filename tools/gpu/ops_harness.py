@@ -555,6 +555,15 @@ for dt in DTYPES:
     check(f"rope_qk_norm_cache {dt} no qk_norm, {dt} table, bs16", t_rope(dt, 29, 16, 8, 128, 16, 40, False, dt))
 check("rope_qk_norm_cache bfloat16 d64 14/2 heads (Qwen2.5-0.5B-like)", t_rope("bfloat16", 23, 14, 2, 64, 64, 5, False, "float32"))
 check("rope_qk_norm_cache float32 d256 8/4 heads", t_rope("float32", 9, 8, 4, 256, 32, 4, True, "float32"))
+for dt in ("bfloat16", "float32"):  # from 512 tokens a warp takes 4 heads of a token (18 heads: 4 + 4 + 4 + 4 + 2)
+    check(f"rope_qk_norm_cache {dt} 600 tokens (4 heads a warp) 16/8 heads d128 qk_norm",
+          t_rope(dt, 600, 16, 8, 128, 64, 12, True, "float32"))
+    check(f"rope_qk_norm_cache {dt} 600 tokens (4 heads a warp) 14/2 heads d64, {dt} table",
+          t_rope(dt, 600, 14, 2, 64, 16, 40, False, dt))
+check("rope_qk_norm_cache bfloat16 d80 8/2 heads (pairs of elements, lanes past d/2 idle)",
+      t_rope("bfloat16", 21, 8, 2, 80, 16, 12, True, "float32"))
+check("rope_qk_norm_cache float16 d98 4/2 heads (d/2 odd: one element per load), fp16 table",
+      t_rope("float16", 13, 4, 2, 98, 16, 8, True, "float16"))
 
 
 # ---- FP8 (e4m3) caches: numpy codec, round to nearest even, saturating (what the kernels' cvt does)
@@ -627,6 +636,8 @@ def t_rope_fp8(dt, T, h, kvh, d, bs, num_blocks, qk_norm):
 for dt in ("bfloat16", "float16"):
     check(f"rope_qk_norm_cache_fp8 {dt} Qwen3 (16/8, d128, bs64) qk_norm", t_rope_fp8(dt, 37, 16, 8, 128, 64, 12, True))
     check(f"rope_qk_norm_cache_fp8 {dt} d64 14/2 heads bs16", t_rope_fp8(dt, 29, 14, 2, 64, 16, 40, False))
+    check(f"rope_qk_norm_cache_fp8 {dt} 600 tokens (4 heads a warp) 14/2 heads d64 bs16",
+          t_rope_fp8(dt, 600, 14, 2, 64, 16, 40, False))
 save()
 
 # ================================================================== (e) paged attention
@@ -1470,17 +1481,18 @@ if not ARGS.no_bench:
 
     def bench_small():
         out = []
-        for T in (1, 256, 2048):
+        for T in (1, 256, 2048, 8192):
+            slots_n = max(64 * 64, T)
             x = to_gpu(rng.standard_normal((T, 1024)), "bfloat16")
             r = to_gpu(rng.standard_normal((T, 1024)), "bfloat16")
             w = to_gpu(np.ones(1024), "bfloat16")
             gu = to_gpu(rng.standard_normal((T, 6144)), "bfloat16")
             qkv = to_gpu(rng.standard_normal((T, 4096)), "bfloat16")
             pos = to_gpu(rng.integers(0, 4096, T), "int64")
-            sl = to_gpu(rng.permutation(64 * 64)[:T].astype(np.int64), "int64")
+            sl = to_gpu(rng.permutation(slots_n)[:T].astype(np.int64), "int64")
             cs = to_gpu(np.ones((4096, 128)), "float32")
-            kc = empty([65, 8, 64, 128], "bfloat16")
-            vc = empty([65, 8, 64, 128], "bfloat16")
+            kc = empty([slots_n // 64 + 1, 8, 64, 128], "bfloat16")
+            vc = empty([slots_n // 64 + 1, 8, 64, 128], "bfloat16")
             qn = to_gpu(np.ones(128), "bfloat16")
             ids = to_gpu(rng.integers(0, 151936, T), "int64")
             emb = empty([151936, 1024], "bfloat16")

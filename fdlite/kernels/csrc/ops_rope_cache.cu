@@ -21,9 +21,16 @@
 namespace fdl {
 namespace {
 
-// One warp per (token, head) of q, k and v heads. Lane l holds pairs (i, i + d/2) for
-// i = l, l + 32, ...: the rotate_half partner is in the same thread.
-template <typename T, typename C, int PAIRS, bool F8>
+// Heads of one token per warp from this many tokens on (they share its cos / sin row); below it one head per warp,
+// as many warps as heads in flight (a decode step's few tokens are latency-bound: 4 heads a warp took 3.3 us at one
+// token against 1.9).
+constexpr int64_t kRopeGroupFrom = 512;
+
+// One warp per (token, group of HPW consecutive heads) of q, k and v heads: the token's cos / sin row is read once per
+// group (read per head, those table reads were 3x the qkv bytes at head_dim 128; HPW 4 from kRopeGroupFrom tokens). Lane l holds VEC consecutive pairs
+// (i, i + d/2), i = VEC l + 32 VEC p + v, so the rotate_half partner is in the same thread and every load and store
+// moves VEC elements (VEC = 2 when d/2 is even). STEPS = ceil(d/2 / (32 VEC)).
+template <typename T, typename C, int STEPS, int VEC, int HPW, bool F8>
 __global__ void rope_cache_kernel(T* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache,
                                   float* __restrict__ k_scale, float* __restrict__ v_scale, const T* __restrict__ qkv, const int64_t* __restrict__ positions,
                                   const int64_t* __restrict__ slots, const C* __restrict__ cos_t,
@@ -32,91 +39,149 @@ __global__ void rope_cache_kernel(T* __restrict__ q_out, void* __restrict__ k_ca
                                   bool qk_norm, float eps) {
   pdl_trigger();
   pdl_wait();
-  const int heads = h + 2 * kvh;
+  using VT = Vec<T, VEC>;
+  using VC = Vec<C, VEC>;
+  const int heads = h + 2 * kvh, groups = (heads + HPW - 1) / HPW;
   const int64_t unit = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (unit >= tokens * heads) return;
+  if (unit >= tokens * groups) return;
   const int lane = threadIdx.x & 31;
-  const int64_t t = unit / heads;
-  const int hd = (int)(unit - t * heads);
+  const int64_t t = unit / groups;
+  const int hd0 = (int)(unit - t * groups) * HPW;
+  const int hd_end = min(heads, hd0 + HPW);
   const int half = d >> 1;
-  const T* src = qkv + t * (int64_t)heads * d + (int64_t)hd * d;
-  float x1[PAIRS], x2[PAIRS];
-#pragma unroll
-  for (int p = 0; p < PAIRS; ++p) {
-    const int i = lane + 32 * p;
-    x1[p] = i < half ? to_f<T>(src[i]) : 0.f;
-    x2[p] = i < half ? to_f<T>(src[i + half]) : 0.f;
-  }
-  const bool is_q = hd < h, is_k = !is_q && hd < h + kvh;
-  if (is_q || is_k) {
-    if (qk_norm) {
-      float ss = 0.f;
-#pragma unroll
-      for (int p = 0; p < PAIRS; ++p) ss += x1[p] * x1[p] + x2[p] * x2[p];
-      const float inv = rsqrtf(warp_sum(ss) / (float)d + eps);
-      const T* w = is_q ? qw : kw;
-#pragma unroll
-      for (int p = 0; p < PAIRS; ++p) {
-        const int i = lane + 32 * p;
-        if (i < half) {
-          x1[p] = round_to<T>(round_to<T>(x1[p] * inv) * to_f<T>(w[i]));
-          x2[p] = round_to<T>(round_to<T>(x2[p] * inv) * to_f<T>(w[i + half]));
-        }
-      }
-    }
+  const int64_t slot = hd_end > h ? slots[t] : -1;  // k / v heads in the group: the token's cache slot
+  // the token's cos / sin, when the group rotates a head (q or k)
+  VC c1[STEPS], c2[STEPS], s1[STEPS], s2[STEPS];
+  if (hd0 < h + kvh) {
     int64_t pos = positions[t];
     pos = pos < 0 ? 0 : (pos >= max_pos ? max_pos - 1 : pos);
     const C* cr = cos_t + pos * d;
     const C* sr = sin_t + pos * d;
 #pragma unroll
-    for (int p = 0; p < PAIRS; ++p) {
-      const int i = lane + 32 * p;
+    for (int p = 0; p < STEPS; ++p) {
+      const int i = VEC * lane + 32 * VEC * p;
       if (i < half) {
-        const float a = x1[p], b = x2[p];
-        // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
-        x1[p] = a * to_f<C>(cr[i]) - b * to_f<C>(sr[i]);
-        x2[p] = b * to_f<C>(cr[i + half]) + a * to_f<C>(sr[i + half]);
+        c1[p] = *reinterpret_cast<const VC*>(cr + i);
+        c2[p] = *reinterpret_cast<const VC*>(cr + i + half);
+        s1[p] = *reinterpret_cast<const VC*>(sr + i);
+        s2[p] = *reinterpret_cast<const VC*>(sr + i + half);
       }
     }
   }
-  T* dst;
-  if (is_q) {
-    dst = q_out + (t * h + hd) * (int64_t)d;
-  } else {
-    const int64_t slot = slots[t];
-    if (slot < 0) return;  // the whole warp: one (token, head) per warp
-    const int j = is_k ? hd - h : hd - h - kvh;
-    const int64_t row = (slot / block_size * kvh + j) * block_size + slot % block_size;
-    if constexpr (F8) {
-      float amax = 0.f;
+  // the group's heads loaded together (their loads in flight at once), then each normed, rotated and stored
+  VT xa[HPW][STEPS], xb[HPW][STEPS];
 #pragma unroll
-      for (int p = 0; p < PAIRS; ++p) {
-        x1[p] = round_to<T>(x1[p]);  // 0 for i >= half
-        x2[p] = round_to<T>(x2[p]);
-        amax = fmaxf(amax, fmaxf(fabsf(x1[p]), fabsf(x2[p])));
+  for (int u = 0; u < HPW; ++u) {
+    const T* src = qkv + t * (int64_t)heads * d + (int64_t)(hd0 + u) * d;
+#pragma unroll
+    for (int p = 0; p < STEPS; ++p) {
+      const int i = VEC * lane + 32 * VEC * p;
+      if (hd0 + u < hd_end && i < half) {
+        xa[u][p] = *reinterpret_cast<const VT*>(src + i);
+        xb[u][p] = *reinterpret_cast<const VT*>(src + i + half);
       }
-      amax = warp_max(amax);
-      const float sc = amax > 0.f ? amax / 448.f : 1.f;
-      uint8_t* d8 = static_cast<uint8_t*>(is_k ? k_cache : v_cache) + row * d;
+    }
+  }
 #pragma unroll
-      for (int p = 0; p < PAIRS; ++p) {
-        const int i = lane + 32 * p;
-        if (i < half) {
-          d8[i] = f_to_e4m3(x1[p] / sc);
-          d8[i + half] = f_to_e4m3(x2[p] / sc);
+  for (int u = 0; u < HPW; ++u) {
+    const int hd = hd0 + u;
+    if (hd >= hd_end) break;
+    float x1[STEPS][VEC], x2[STEPS][VEC];
+#pragma unroll
+    for (int p = 0; p < STEPS; ++p) {
+      const int i = VEC * lane + 32 * VEC * p;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        x1[p][v] = i < half ? to_f<T>(xa[u][p].v[v]) : 0.f;
+        x2[p][v] = i < half ? to_f<T>(xb[u][p].v[v]) : 0.f;
+      }
+    }
+    const bool is_q = hd < h, is_k = !is_q && hd < h + kvh;
+    if (is_q || is_k) {
+      if (qk_norm) {
+        float ss = 0.f;
+#pragma unroll
+        for (int p = 0; p < STEPS; ++p)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) ss += x1[p][v] * x1[p][v] + x2[p][v] * x2[p][v];
+        const float inv = rsqrtf(warp_sum(ss) / (float)d + eps);
+        const T* w = is_q ? qw : kw;
+#pragma unroll
+        for (int p = 0; p < STEPS; ++p) {
+          const int i = VEC * lane + 32 * VEC * p;
+          if (i < half) {
+            const VT w1 = *reinterpret_cast<const VT*>(w + i), w2 = *reinterpret_cast<const VT*>(w + i + half);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+              x1[p][v] = round_to<T>(round_to<T>(x1[p][v] * inv) * to_f<T>(w1.v[v]));
+              x2[p][v] = round_to<T>(round_to<T>(x2[p][v] * inv) * to_f<T>(w2.v[v]));
+            }
+          }
         }
       }
-      if (lane == 0) (is_k ? k_scale : v_scale)[row] = sc;
-      return;
-    }
-    dst = static_cast<T*>(is_k ? k_cache : v_cache) + row * d;
-  }
 #pragma unroll
-  for (int p = 0; p < PAIRS; ++p) {
-    const int i = lane + 32 * p;
-    if (i < half) {
-      dst[i] = from_f<T>(x1[p]);
-      dst[i + half] = from_f<T>(x2[p]);
+      for (int p = 0; p < STEPS; ++p) {
+        const int i = VEC * lane + 32 * VEC * p;
+        if (i < half) {
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            const float a = x1[p][v], b = x2[p][v];
+            // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+            x1[p][v] = a * to_f<C>(c1[p].v[v]) - b * to_f<C>(s1[p].v[v]);
+            x2[p][v] = b * to_f<C>(c2[p].v[v]) + a * to_f<C>(s2[p].v[v]);
+          }
+        }
+      }
+    }
+    T* dst;
+    if (is_q) {
+      dst = q_out + (t * h + hd) * (int64_t)d;
+    } else {
+      if (slot < 0) continue;  // padded tokens write no cache row (the whole warp: uniform)
+      const int j = is_k ? hd - h : hd - h - kvh;
+      const int64_t row = (slot / block_size * kvh + j) * block_size + slot % block_size;
+      if constexpr (F8) {
+        float amax = 0.f;
+#pragma unroll
+        for (int p = 0; p < STEPS; ++p)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            x1[p][v] = round_to<T>(x1[p][v]);  // 0 for i >= half
+            x2[p][v] = round_to<T>(x2[p][v]);
+            amax = fmaxf(amax, fmaxf(fabsf(x1[p][v]), fabsf(x2[p][v])));
+          }
+        amax = warp_max(amax);
+        const float sc = amax > 0.f ? amax / 448.f : 1.f;
+        uint8_t* d8 = static_cast<uint8_t*>(is_k ? k_cache : v_cache) + row * d;
+#pragma unroll
+        for (int p = 0; p < STEPS; ++p) {
+          const int i = VEC * lane + 32 * VEC * p;
+          if (i < half) {
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+              d8[i + v] = f_to_e4m3(x1[p][v] / sc);
+              d8[i + v + half] = f_to_e4m3(x2[p][v] / sc);
+            }
+          }
+        }
+        if (lane == 0) (is_k ? k_scale : v_scale)[row] = sc;
+        continue;
+      }
+      dst = static_cast<T*>(is_k ? k_cache : v_cache) + row * d;
+    }
+#pragma unroll
+    for (int p = 0; p < STEPS; ++p) {
+      const int i = VEC * lane + 32 * VEC * p;
+      if (i < half) {
+        VT a, b;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          a.v[v] = from_f<T>(x1[p][v]);
+          b.v[v] = from_f<T>(x2[p][v]);
+        }
+        *reinterpret_cast<VT*>(dst + i) = a;
+        *reinterpret_cast<VT*>(dst + i + half) = b;
+      }
     }
   }
 }
@@ -127,17 +192,28 @@ void launch_rope(T* q, void* kc, void* vc, float* ksc, float* vsc, const T* qkv,
                  float eps, cudaStream_t s) {
   if (tokens == 0) return;
   const int warps = 4;
-  const int64_t units = tokens * (h + 2 * kvh);
+  const int hpw = tokens >= kRopeGroupFrom ? 4 : 1;
+  const int64_t units = tokens * ceil_div(h + 2 * kvh, hpw);
   const unsigned blocks = (unsigned)ceil_div(units, warps);
-  const int pairs = (int)ceil_div(d / 2, 32);
-#define FDL_ROPE(P)                                                                                    \
-  launch("rope_cache_kernel", rope_cache_kernel<T, C, P, F8>, blocks, warps * 32, 0, s, pdl_rows(tokens), q, kc, vc, ksc, vsc, qkv, pos, slots, cs, sn, qw, kw, \
+  const int half = d / 2;
+#define FDL_ROPE_H(STEPS, VEC, HPW)                                                                                 \
+  launch("rope_cache_kernel", rope_cache_kernel<T, C, STEPS, VEC, HPW, F8>, blocks, warps * 32, 0, s, pdl_rows(tokens), q, kc, vc, ksc, vsc, qkv, pos, slots, cs, sn, qw, kw, \
                                                             tokens, h, kvh, d, bs, max_pos, norm, eps)
-  if (pairs <= 1) FDL_ROPE(1);
-  else if (pairs <= 2) FDL_ROPE(2);
-  else if (pairs <= 4) FDL_ROPE(4);
-  else PD_THROW("fdl_rope_qk_norm_cache: head_dim above 256 is not supported");
+#define FDL_ROPE(STEPS, VEC)                    \
+  do {                                          \
+    if (hpw == 4) FDL_ROPE_H(STEPS, VEC, 4);    \
+    else FDL_ROPE_H(STEPS, VEC, 1);             \
+  } while (0)
+  if (half % 2 == 0) {  // every real head_dim (64, 80, 96, 128, 256): pairs of elements per load
+    if (half <= 64) FDL_ROPE(1, 2);
+    else FDL_ROPE(2, 2);
+  } else {
+    if (half <= 32) FDL_ROPE(1, 1);
+    else if (half <= 64) FDL_ROPE(2, 1);
+    else FDL_ROPE(4, 1);
+  }
 #undef FDL_ROPE
+#undef FDL_ROPE_H
 }
 
 }  // namespace
