@@ -1322,7 +1322,9 @@ def section_breakdown():
 
 def section_profile():
     """Kernel times of one step of the churn job, a mixed one or (FDLITE_PROFILE_KIND=decode) one of 128+ decodes
-    only, run under Nsight Compute by tools/gpu/run_profile_step.sh (`--profile-from-start off`: only the step
+    only, or (FDLITE_PROFILE_KIND=prefill) one 8k-token prefill step of the prefill-heavy job on a full-size shape
+    (FDLITE_PROFILE_MODEL, a MOE_BENCH_SHAPES name, random weights), run under Nsight Compute by
+    tools/gpu/run_profile_step.sh (`--profile-from-start off`: only the step
     between cuProfilerStart and cuProfilerStop is profiled). Eager and synchronous, so each `ModelRunner.execute` is one step's kernels in
     launch order; the same kernels a graph replays (only the decode kernel's split count can differ: it follows
     the step's token count, which a graph pads)."""
@@ -1334,21 +1336,33 @@ def section_profile():
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
 
     cuda = ctypes.CDLL("libcuda.so.1")
-    llm = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
-              max_num_batched_tokens=8192, num_gpu_blocks_override=4000, use_cudagraph=False,
-              async_scheduling=False)
-    prompts, outs = churn_requests(768)
+    kind = os.environ.get("FDLITE_PROFILE_KIND", "mixed")
+    if kind == "prefill":
+        llm = LLM(config_only_model(os.environ.get("FDLITE_PROFILE_MODEL", "ernie45_21b_a3b")), load_format="dummy",
+                  skip_tokenizer_init=True, device=FDL_DEVICE, dtype="bfloat16" if FDL_DEVICE == "gpu" else "float32",
+                  max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=False,
+                  async_scheduling=False)
+        random.seed(1)  # section_moe_bench's prefill-heavy prompts
+        prompts = [[random.randint(0, 10000) for _ in range(random.randint(1024, 2040))] for _ in range(32)]
+        outs = [8] * len(prompts)
+    else:
+        llm = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
+                  max_num_batched_tokens=8192, num_gpu_blocks_override=4000, use_cudagraph=False,
+                  async_scheduling=False)
+        prompts, outs = churn_requests(768)
     runner, inner = llm.runner, llm.runner.execute
     want = {"mixed": lambda f: f.num_tokens > f.num_decodes and f.num_decodes >= 192,
-            "decode": lambda f: f.num_tokens == f.num_decodes and f.num_decodes >= 128}
-    want = {k: v for k, v in want.items() if k == os.environ.get("FDLITE_PROFILE_KIND", "mixed")}
+            "decode": lambda f: f.num_tokens == f.num_decodes and f.num_decodes >= 128,
+            "prefill": lambda f: f.num_tokens >= 8000 and f.num_decodes <= 16}
+    after = 2 if kind == "prefill" else 150  # steps before the profiled one (warm caches, the job under way)
+    want = {k: v for k, v in want.items() if k == kind}
     seen = {"calls": 0}
     done = {}
 
     def timed(step):
         f = step.flat
         seen["calls"] += 1
-        kind = next((k for k, ok in want.items() if k not in done and seen["calls"] > 150 and ok(f)), None)
+        kind = next((k for k, ok in want.items() if k not in done and seen["calls"] > after and ok(f)), None)
         if kind is None:
             return inner(step)
         cuda.cuCtxSynchronize()
