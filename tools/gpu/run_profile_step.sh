@@ -2,9 +2,11 @@
 # Device side, after Paddle is staged: the kernels of one mixed step and one large decode step of the churn job
 # (e2e_harness.py's `profile` section) under Nsight Compute, duration only, clocks left alone (METHOD.md), then a
 # table per step: each kernel's time, grouped by name, and their sum beside the step's wall time.
-# Results per kind (KINDS, default "mixed decode"): $OUT/ncu_<kind>.csv, profile_<kind>.json, profile_<kind>.txt.
+# Results per kind (KINDS, default "mixed decode"; "prefill" too): $OUT/ncu_<kind>.csv, profile_<kind>.json, profile_<kind>.txt.
 #
 #   bash $KIT/device-setup.sh setup && bash tools/gpu/run_profile_step.sh
+#   KINDS=prefill FDLITE_PROFILE_MODEL=qwen3_30b_a3b bash tools/gpu/run_profile_step.sh   (one 8k-token prefill step
+#   of the prefill-heavy job on a full-size shape, random weights: e2e_harness.py's MOE_BENCH_SHAPES)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-${TMPDIR:-/tmp}/fdl_profile_out}
