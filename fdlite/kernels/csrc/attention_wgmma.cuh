@@ -16,8 +16,9 @@
 // the last one's rows finish) and chunks of BN = 64 keys into four shared-memory stages, mbarriers handing each
 // stage over and back; warpgroups 1 and 2 take 64 rows each and take turns issuing their MMAs (ping-pong), so
 // one's softmax runs while the other's MMAs do. Per chunk and computing warpgroup: S = Q K^T (A and B from shared
-// memory), the online softmax in registers, O += P V (P from registers: the S accumulators re-packed as the A
-// operand; V read N-major straight from its [key][d] layout), left in flight until the next chunk's S is issued.
+// memory), the online softmax in registers (O rescaled only when a row's max moves by more than 2^8), O += P V (P
+// from registers: the S accumulators re-packed as the A operand; V read N-major straight from its [key][d] layout),
+// left in flight until the next chunk's S is issued.
 // Measured against the H100's limits (and the mma.sync kernel) in docs/benchmarks.md.
 //
 // Shared-memory layout (all 128-byte swizzled, Swizzle<3,4,3>: the 16-byte piece c of row r sits at piece

@@ -19,8 +19,8 @@
 // captured graph replays for any batch content):
 //  - per-token ("decode") kernel, grid (B x qpr, kvh, splits): tokens of rows with q_len <= 4, qpr
 //    (the caller's bound on q_len, else 4) token slots per row, so a prefill step launches a few blocks per row
-//    rather than one per token (each of which had to find its row and exit: 20% of a prefill layer's attention
-//    at 8k tokens, measured); the padding tokens past the rows get zeros from these blocks too. One block
+//    rather than one per token (each of which had to find its row and exit: the op took 441 us on a Llama-3.1-8B
+//    layer's 8k prefill tokens against 359 for the tile kernel alone, measured); the padding tokens past the rows get zeros from these blocks too. One block
 //    holds the h / kvh query heads of one KV head, so each K/V byte is read once per KV head;
 //    long contexts are split across blocks, and the last block of each (token, KV head) to finish
 //    merges the splits (a self-resetting counter: no second kernel to launch and wait for). bf16 / fp16
