@@ -62,13 +62,17 @@ struct Args {
   const int* seq_lens;
   const int* cu;
   void* out;
-  float* part_o;   // [splits, T, h, d]
-  float2* part_ml; // [splits, T, h]: running max (log2 units) and sum
-  int* counters;   // [T * kvh] finished splits per (token, KV head); zero between calls
+  float* part_o;   // [splits, prows, h, d]
+  float2* part_ml; // [splits, prows, h]: running max (log2 units) and sum
+  int* counters;   // [prows * kvh] finished splits per (partial row, KV head); zero between calls
   int64_t T;
   int B, max_blocks, h, kvh, g, bs, splits;
   int qpr;     // token slots per row in the per-token kernels' grid (1..kDecodeMaxQ)
   int dslots;  // blocks along x of that grid: B qpr, at least 1
+  // Rows of the split partials and counters: min(T, dslots), indexed by the token or, when fewer, by the slot (a step
+  // with prefill rows: its few decode tokens must not size the workspace by its T)
+  int prows;
+  bool part_by_slot;
   float scale_log2;
   const float* ksc;  // FP8 caches: float32 scale per cache row of K and of V (nullptr: model-dtype caches)
   const float* vsc;
@@ -175,12 +179,12 @@ __device__ __forceinline__ void decode_zero_tail(const Args& a, int x, int j) {
   }
 }
 
-// The last block of (t, j) to get here merges the splits of the per-token kernels (attn_decode_kernel,
+// The last block of (t, j) to get here (p: t's partial row) merges the splits of the per-token kernels (attn_decode_kernel,
 // attn_decode_mma_kernel), once each block has written its split's partial (o_s unnormalized, m_s in log2 units, l_s):
 // out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the counter for the next call. scratch: at
 // least (MAXG x 64 + MAXG) floats of shared memory the block no longer needs (its K / V buffers).
 template <typename T, int D>
-__device__ void decode_merge_splits(const Args& a, int64_t t, int j, float* scratch) {
+__device__ void decode_merge_splits(const Args& a, int64_t t, int64_t p, int j, float* scratch) {
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
   const int g = a.g, items = g * D / 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -190,7 +194,7 @@ __device__ void decode_merge_splits(const Args& a, int64_t t, int j, float* scra
   __threadfence();  // this block's partials are visible before the count says so
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* c = a.counters + t * a.kvh + j;
+    int* c = a.counters + p * a.kvh + j;
     is_last = atomicAdd(c, 1) == a.splits - 1;
     if (is_last) *c = 0;
   }
@@ -203,7 +207,7 @@ __device__ void decode_merge_splits(const Args& a, int64_t t, int j, float* scra
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int sp = lane + 32 * u;
-      const float2 ml = sp < a.splits ? __ldcg(a.part_ml + ((int64_t)sp * a.T + t) * a.h + head)
+      const float2 ml = sp < a.splits ? __ldcg(a.part_ml + ((int64_t)sp * a.prows + p) * a.h + head)
                                       : make_float2(-CUDART_INF_F, 0.f);
       m[u] = ml.x;
       l[u] = ml.y;
@@ -229,7 +233,7 @@ __device__ void decode_merge_splits(const Args& a, int64_t t, int j, float* scra
       const int64_t head = (int64_t)j * g + hh;
       float o0 = 0.f, o1 = 0.f;
       for (int sp = 0; sp < a.splits; ++sp) {
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(a.part_o + (((int64_t)sp * a.T + t) * a.h + head) * D) + dp);
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(a.part_o + (((int64_t)sp * a.prows + p) * a.h + head) * D) + dp);
         const float w = w_s[hh * a.splits + sp];
         o0 += v.x * w;
         o1 += v.y * w;
@@ -393,14 +397,14 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
         o[0] = from_f<T>(acc[n][0] * inv);
         o[1] = from_f<T>(acc[n][1] * inv);
       } else {
-        const int64_t base = ((int64_t)s * a.T + t) * a.h + head;
+        const int64_t base = ((int64_t)s * a.prows + (a.part_by_slot ? blockIdx.x : t)) * a.h + head;
         *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(acc[n][0], acc[n][1]);
         if (dp == 0) a.part_ml[base] = make_float2(m_s[hh], l_s[hh]);
       }
     }
   }
   if (a.splits == 1) return;
-  decode_merge_splits<T, D>(a, t, j, reinterpret_cast<float*>(kbuf));
+  decode_merge_splits<T, D>(a, t, a.part_by_slot ? blockIdx.x : t, j, reinterpret_cast<float*>(kbuf));
 }
 
 // ------------------------------------------------------------------ tile kernel
@@ -824,7 +828,8 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
                            (int64_t)per_sm * num_sms());
   }
   splits = std::max(1, std::min(splits, 64));
-  if (splits > 1 && T * kvh > kMaxCounters) splits = 1;
+  const int64_t prows = std::min<int64_t>(T, dslots);
+  if (splits > 1 && prows * kvh > kMaxCounters) splits = 1;
   paddle::Tensor out = paddle::empty({T, (int64_t)h * d}, q.dtype(), q.place());
   paddle::Tensor ws;
   Args a{};
@@ -847,13 +852,15 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   a.splits = splits;
   a.qpr = qpr;
   a.dslots = (int)dslots;
+  a.prows = (int)prows;
+  a.part_by_slot = dslots < T;
   a.scale_log2 = scale * 1.4426950408889634f;
   a.counters = split_counters(stream_of(q));
   if (splits > 1 && T > 0) {
-    // [splits, T, h, d] partial outputs, then [splits, T, h] (max, sum) pairs
-    ws = paddle::empty({(int64_t)splits * T * h * (d + 2)}, paddle::DataType::FLOAT32, q.place());
+    // [splits, prows, h, d] partial outputs, then [splits, prows, h] (max, sum) pairs
+    ws = paddle::empty({(int64_t)splits * prows * h * (d + 2)}, paddle::DataType::FLOAT32, q.place());
     a.part_o = static_cast<float*>(ws.data());
-    a.part_ml = reinterpret_cast<float2*>(a.part_o + (int64_t)splits * T * h * d);
+    a.part_ml = reinterpret_cast<float2*>(a.part_o + (int64_t)splits * prows * h * d);
   }
   const bool tiles = (max_q_len <= 0 ? T : max_q_len) > kDecodeMaxQ && B > 0;
   cudaStream_t s = stream_of(q);
