@@ -180,13 +180,13 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
       const float inv = l > 0.f ? 1.f / l : 0.f;
       *reinterpret_cast<uint32_t*>(static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2) = pack2<T>(o0 * inv, o1 * inv);
     } else {
-      const int64_t base = ((int64_t)s * a.prows + (a.part_by_slot ? blockIdx.x : t)) * a.h + head;
+      const int64_t base = ((int64_t)s * a.prows + partial_row(a, t)) * a.h + head;
       *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(o0, o1);
       if (dp == 0) a.part_ml[base] = make_float2(M, l);
     }
   }
   if (a.splits == 1) return;
-  decode_merge_splits<T, D>(a, t, a.part_by_slot ? blockIdx.x : t, j, reinterpret_cast<float*>(sm + C::KV_OFF));
+  decode_merge_splits<T, D>(a, t, partial_row(a, t), j, reinterpret_cast<float*>(sm + C::KV_OFF));
 }
 
 }  // namespace

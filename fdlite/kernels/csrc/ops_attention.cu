@@ -19,13 +19,13 @@
 // captured graph replays for any batch content):
 //  - per-token ("decode") kernel, grid (B x qpr, kvh, splits): tokens of rows with q_len <= 4, qpr
 //    (the caller's bound on q_len, else 4) token slots per row, so a prefill step launches a few blocks per row
-//    rather than one per token (each of which had to find its row and exit: the op took 441 us on a Llama-3.1-8B
-//    layer's 8k prefill tokens against 359 for the tile kernel alone, measured); the padding tokens past the rows get zeros from these blocks too. One block
-//    holds the h / kvh query heads of one KV head, so each K/V byte is read once per KV head;
-//    long contexts are split across blocks, and the last block of each (token, KV head) to finish
-//    merges the splits (a self-resetting counter: no second kernel to launch and wait for). bf16 / fp16
-//    at head_dim 64 / 128 over model-dtype caches compute on tensor cores (attention_decode_mma.cuh), the
-//    rest on CUDA cores (attn_decode_kernel below).
+//    rather than one per token (each of which had to find its row and exit: the op took 441 us on a
+//    Llama-3.1-8B layer's 8k prefill tokens against 359 for the tile kernel alone, measured); the padding
+//    tokens past the rows get zeros from these blocks too. One block holds the h / kvh query heads of one KV
+//    head, so each K/V byte is read once per KV head; long contexts are split across blocks, and the last block
+//    of each (token, KV head) to finish merges the splits (a self-resetting counter: no second kernel to launch
+//    and wait for). bf16 / fp16 at head_dim 64 / 128 over model-dtype caches compute on tensor cores
+//    (attention_decode_mma.cuh), the rest on CUDA cores (attn_decode_kernel below).
 //  - tile ("prefill") kernel, grid (ceil(T / tile_tokens), kvh): each block takes a fixed slice of
 //    the flat token axis and works through the row segments inside it (rows with q_len > 4): query
 //    rows (token x head) against chunks of keys, so K/V are read once per tile, not per token. bf16 /
@@ -179,9 +179,13 @@ __device__ __forceinline__ void decode_zero_tail(const Args& a, int x, int j) {
   }
 }
 
-// The last block of (t, j) to get here (p: t's partial row) merges the splits of the per-token kernels (attn_decode_kernel,
-// attn_decode_mma_kernel), once each block has written its split's partial (o_s unnormalized, m_s in log2 units, l_s):
-// out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the counter for the next call. scratch: at
+// Where token t's split partials and merge counter sit (Args::prows): its slot in the grid (blockIdx.x) when the step
+// has fewer slots than tokens, else t.
+__device__ __forceinline__ int64_t partial_row(const Args& a, int t) { return a.part_by_slot ? blockIdx.x : t; }
+
+// The last block of (t, j) to get here (p: t's partial row, `partial_row`) merges the splits of the per-token
+// kernels (attn_decode_kernel, attn_decode_mma_kernel), once each block has written its split's partial (o_s
+// unnormalized, m_s in log2 units, l_s): out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the counter for the next call. scratch: at
 // least (MAXG x 64 + MAXG) floats of shared memory the block no longer needs (its K / V buffers).
 template <typename T, int D>
 __device__ void decode_merge_splits(const Args& a, int64_t t, int64_t p, int j, float* scratch) {
@@ -233,7 +237,8 @@ __device__ void decode_merge_splits(const Args& a, int64_t t, int64_t p, int j, 
       const int64_t head = (int64_t)j * g + hh;
       float o0 = 0.f, o1 = 0.f;
       for (int sp = 0; sp < a.splits; ++sp) {
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(a.part_o + (((int64_t)sp * a.prows + p) * a.h + head) * D) + dp);
+        const float2 v =
+            __ldcg(reinterpret_cast<const float2*>(a.part_o + (((int64_t)sp * a.prows + p) * a.h + head) * D) + dp);
         const float w = w_s[hh * a.splits + sp];
         o0 += v.x * w;
         o1 += v.y * w;
@@ -397,14 +402,14 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
         o[0] = from_f<T>(acc[n][0] * inv);
         o[1] = from_f<T>(acc[n][1] * inv);
       } else {
-        const int64_t base = ((int64_t)s * a.prows + (a.part_by_slot ? blockIdx.x : t)) * a.h + head;
+        const int64_t base = ((int64_t)s * a.prows + partial_row(a, t)) * a.h + head;
         *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(acc[n][0], acc[n][1]);
         if (dp == 0) a.part_ml[base] = make_float2(m_s[hh], l_s[hh]);
       }
     }
   }
   if (a.splits == 1) return;
-  decode_merge_splits<T, D>(a, t, a.part_by_slot ? blockIdx.x : t, j, reinterpret_cast<float*>(kbuf));
+  decode_merge_splits<T, D>(a, t, partial_row(a, t), j, reinterpret_cast<float*>(kbuf));
 }
 
 // ------------------------------------------------------------------ tile kernel
