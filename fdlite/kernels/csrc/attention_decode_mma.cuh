@@ -41,9 +41,8 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
   using C = DecodeMma<T, D>;
   constexpr int NTD = D / 8;  // 8-column tiles of O
   const int j = blockIdx.y, s = blockIdx.z, g = a.g;
-  if (s == 0) decode_zero_tail<T, D>(a, blockIdx.x, j);
   int t, r, k0, k1;
-  if (!decode_split(a, blockIdx.x, s, t, r, k0, k1)) return;  // no decode token in this slot
+  if (!decode_block_start<T, D>(a, t, r, k0, k1)) return;  // no decode token in this slot
 
   extern __shared__ float4 smem4[];
   uint8_t* sm = reinterpret_cast<uint8_t*>(smem4);
@@ -180,9 +179,7 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
       const float inv = l > 0.f ? 1.f / l : 0.f;
       *reinterpret_cast<uint32_t*>(static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2) = pack2<T>(o0 * inv, o1 * inv);
     } else {
-      const int64_t base = ((int64_t)s * a.prows + partial_row(a, t)) * a.h + head;
-      *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(o0, o1);
-      if (dp == 0) a.part_ml[base] = make_float2(M, l);
+      decode_write_partial<D>(a, s, t, head, dp, o0, o1, M, l);
     }
   }
   if (a.splits == 1) return;

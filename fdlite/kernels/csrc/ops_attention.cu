@@ -179,9 +179,27 @@ __device__ __forceinline__ void decode_zero_tail(const Args& a, int x, int j) {
   }
 }
 
+// The start of a per-token block (x = blockIdx.x, j = blockIdx.y, s = blockIdx.z): split 0 writes its share of the
+// padding tokens' zeros, then `decode_split` says which token and keys the block reads (false: none, return).
+template <typename T, int D>
+__device__ __forceinline__ bool decode_block_start(const Args& a, int& t, int& r, int& k0, int& k1) {
+  if (blockIdx.z == 0) decode_zero_tail<T, D>(a, blockIdx.x, blockIdx.y);
+  return decode_split(a, blockIdx.x, blockIdx.z, t, r, k0, k1);
+}
+
 // Where token t's split partials and merge counter sit (Args::prows): its slot in the grid (blockIdx.x) when the step
 // has fewer slots than tokens, else t.
 __device__ __forceinline__ int64_t partial_row(const Args& a, int t) { return a.part_by_slot ? blockIdx.x : t; }
+
+// Split s's partial of token t for query head `head`, columns 2 dp and 2 dp + 1: O unnormalized, and with the first
+// pair the row's (max in log2 units, sum), for decode_merge_splits.
+template <int D>
+__device__ __forceinline__ void decode_write_partial(const Args& a, int s, int t, int64_t head, int dp, float o0,
+                                                     float o1, float m, float l) {
+  const int64_t base = ((int64_t)s * a.prows + partial_row(a, t)) * a.h + head;
+  *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(o0, o1);
+  if (dp == 0) a.part_ml[base] = make_float2(m, l);
+}
 
 // The last block of (t, j) to get here (p: t's partial row, `partial_row`) merges the splits of the per-token
 // kernels (attn_decode_kernel, attn_decode_mma_kernel), once each block has written its split's partial (o_s
@@ -276,9 +294,8 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
   constexpr bool F8 = std::is_same<C, uint8_t>::value;
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
   const int j = blockIdx.y, s = blockIdx.z, g = a.g;
-  if (s == 0) decode_zero_tail<T, D>(a, blockIdx.x, j);
   int t, r, k0, k1;
-  if (!decode_split(a, blockIdx.x, s, t, r, k0, k1)) return;  // no decode token in this slot
+  if (!decode_block_start<T, D>(a, t, r, k0, k1)) return;  // no decode token in this slot
 
   extern __shared__ float4 smem4[];
   float* qs = reinterpret_cast<float*>(smem4);
@@ -402,9 +419,7 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
         o[0] = from_f<T>(acc[n][0] * inv);
         o[1] = from_f<T>(acc[n][1] * inv);
       } else {
-        const int64_t base = ((int64_t)s * a.prows + partial_row(a, t)) * a.h + head;
-        *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(acc[n][0], acc[n][1]);
-        if (dp == 0) a.part_ml[base] = make_float2(m_s[hh], l_s[hh]);
+        decode_write_partial<D>(a, s, t, head, dp, acc[n][0], acc[n][1], m_s[hh], l_s[hh]);
       }
     }
   }
