@@ -72,7 +72,6 @@ struct Args {
   // Rows of the split partials and counters: min(T, dslots), indexed by the token or, when fewer, by the slot (a step
   // with prefill rows: its few decode tokens must not size the workspace by its T)
   int prows;
-  bool part_by_slot;
   float scale_log2;
   const float* ksc;  // FP8 caches: float32 scale per cache row of K and of V (nullptr: model-dtype caches)
   const float* vsc;
@@ -189,7 +188,7 @@ __device__ __forceinline__ bool decode_block_start(const Args& a, int& t, int& r
 
 // Where token t's split partials and merge counter sit (Args::prows): its slot in the grid (blockIdx.x) when the step
 // has fewer slots than tokens, else t.
-__device__ __forceinline__ int64_t partial_row(const Args& a, int t) { return a.part_by_slot ? blockIdx.x : t; }
+__device__ __forceinline__ int64_t partial_row(const Args& a, int t) { return a.prows < a.T ? blockIdx.x : t; }
 
 // Split s's partial of token t for query head `head`, columns 2 dp and 2 dp + 1: O unnormalized, and with the first
 // pair the row's (max in log2 units, sum), for decode_merge_splits.
@@ -648,13 +647,6 @@ int* split_counters(cudaStream_t s) {
   return per_device[dev];
 }
 
-template <typename K>
-void set_smem(K kernel, size_t bytes) {
-  if (bytes > 48 * 1024)
-    FDL_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
-                   "fdl_paged_attention: cudaFuncSetAttribute");
-}
-
 // Whether the tensor-core per-token kernel (attention_decode_mma.cuh) exists for these types: bf16 / fp16 at
 // head_dim 64 / 128 over model-dtype caches; it takes the decode tokens unless FDLITE_DECODE_MMA=0 (the CUDA-core
 // kernel, for side-by-side runs).
@@ -676,14 +668,14 @@ int decode_blocks_per_sm(int g) {
     int n = 0;
     if constexpr (kDecodeMmaBuilt<T, C, D>) {
       if (on_mma) {
-        set_smem(attn_decode_mma_kernel<T, D>, DecodeMma<T, D>::bytes);
+        allow_smem<attn_decode_mma_kernel<T, D>>(DecodeMma<T, D>::bytes);
         FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_mma_kernel<T, D>, NT,
                                                                      DecodeMma<T, D>::bytes),
                        "fdl_paged_attention: occupancy query");
       }
     }
     if (!on_mma) {
-      set_smem(attn_decode_kernel<T, C, D>, decode_smem<C, D>(MAXG));
+      allow_smem<attn_decode_kernel<T, C, D>>(decode_smem<C, D>(MAXG));
       FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, C, D>, NT, decode_smem<C, D>(g)),
                      "fdl_paged_attention: occupancy query");
     }
@@ -726,36 +718,24 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
   constexpr bool mma = !std::is_same<T, float>::value && (D == 64 || D == 128);
   static_assert(!f8 || mma, "FP8 caches: bf16 / fp16 at head_dim 64 / 128 only");
   constexpr int mma_d = D == 64 ? 64 : 128;
-  static bool init = false, init_wg = false;
-  if (!init) {  // host-side attributes, set once per instantiation (also fine during a capture)
-    set_smem(attn_decode_kernel<T, C, D>, decode_smem<C, D>(MAXG));
-    if constexpr (!f8) set_smem(attn_tile_kernel<T, D>, TileLayout<T, D>::bytes);
-    if constexpr (mma) set_smem(attn_mma_kernel<T, mma_d, f8>, MmaTile<mma_d, f8>::bytes);
-    init = true;
-  }
   bool decode_done = false;
   if constexpr (kDecodeMmaBuilt<T, C, D>) {
     if (decode_on_mma<T, C, D>()) {
-      static bool init_dm = false;
-      if (!init_dm) {
-        set_smem(attn_decode_mma_kernel<T, D>, DecodeMma<T, D>::bytes);
-        init_dm = true;
-      }
+      allow_smem<attn_decode_mma_kernel<T, D>>(DecodeMma<T, D>::bytes);
       launch("attn_decode_mma_kernel", attn_decode_mma_kernel<T, D>, dim3((unsigned)a.dslots, a.kvh, a.splits), NT,
              DecodeMma<T, D>::bytes, s, pdl_rows(a.T), a);
       decode_done = true;
     }
   }
-  if (!decode_done)
+  if (!decode_done) {
+    allow_smem<attn_decode_kernel<T, C, D>>(decode_smem<C, D>(MAXG));
     launch("attn_decode_kernel", attn_decode_kernel<T, C, D>, dim3((unsigned)a.dslots, a.kvh, a.splits), NT, dsm, s,
            pdl_rows(a.T), a);
+  }
   if (!tiles) return;
   if constexpr (mma && !f8) {
     if (options().attn_mma >= 2 && wgmma_ready()) {
-      if (!init_wg) {
-        set_smem(attn_wgmma_kernel<T, mma_d>, WgTile<mma_d>::bytes);
-        init_wg = true;
-      }
+      allow_smem<attn_wgmma_kernel<T, mma_d>>(WgTile<mma_d>::bytes);
       const int tile_tokens = WgTile<mma_d>::BM / a.g;
       const int64_t items = ceil_div(a.T, tile_tokens) * a.kvh;  // persistent: one block per SM at most
       launch("attn_wgmma_kernel", attn_wgmma_kernel<T, mma_d>, dim3((unsigned)std::min<int64_t>(items, num_sms())),
@@ -766,6 +746,7 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
   }
   if constexpr (mma) {
     if (f8 || options().attn_mma) {
+      allow_smem<attn_mma_kernel<T, mma_d, f8>>(MmaTile<mma_d, f8>::bytes);
       const int tile_tokens = MmaTile<mma_d, f8>::BM / a.g;
       launch("attn_mma_kernel", attn_mma_kernel<T, mma_d, f8>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh),
              MmaTile<mma_d, f8>::NTH, MmaTile<mma_d, f8>::bytes, s, false, a, tile_tokens);
@@ -774,6 +755,7 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
     }
   }
   if constexpr (f8) return;  // (unreachable: FP8 always takes the tensor-core kernel)
+  allow_smem<attn_tile_kernel<T, D>>(TileLayout<T, D>::bytes);
   const int tile_tokens = BM / a.g;
   launch("attn_tile_kernel", attn_tile_kernel<T, D>, dim3((unsigned)ceil_div(a.T, tile_tokens), a.kvh), NT,
          TileLayout<T, D>::bytes, s, false, a, tile_tokens);
@@ -826,7 +808,8 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   // the per-token kernels' grid: qpr token slots per row (max_q_len when it bounds q_len within kDecodeMaxQ)
   const int qpr = max_q_len >= 1 && max_q_len <= kDecodeMaxQ ? max_q_len : kDecodeMaxQ;
   const int64_t dslots = std::max<int64_t>(1, (int64_t)B * qpr);
-  const int64_t decode_tokens = std::min<int64_t>(T, dslots);  // at most: what the split rule sizes
+  // at most this many decode tokens: what the split rule sizes, and the rows of the split partials (Args::prows)
+  const int64_t prows = std::min<int64_t>(T, dslots);
   int splits = num_splits;
   if (splits <= 0) {
     int per_sm = 1;
@@ -844,11 +827,10 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
         }
       }
     });
-    splits = choose_splits(decode_tokens * kvh, std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC)),
+    splits = choose_splits(prows * kvh, std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC)),
                            (int64_t)per_sm * num_sms());
   }
   splits = std::max(1, std::min(splits, 64));
-  const int64_t prows = std::min<int64_t>(T, dslots);
   if (splits > 1 && prows * kvh > kMaxCounters) splits = 1;
   paddle::Tensor out = paddle::empty({T, (int64_t)h * d}, q.dtype(), q.place());
   paddle::Tensor ws;
@@ -873,7 +855,6 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   a.qpr = qpr;
   a.dslots = (int)dslots;
   a.prows = (int)prows;
-  a.part_by_slot = dslots < T;
   a.scale_log2 = scale * 1.4426950408889634f;
   a.counters = split_counters(stream_of(q));
   if (splits > 1 && T > 0) {

@@ -77,6 +77,18 @@ inline int num_sms() {
   return n;
 }
 
+// The dynamic shared memory `Kernel` may launch with: a host-side attribute, set once per kernel (also fine during
+// a capture).
+template <auto Kernel>
+void allow_smem(size_t bytes) {
+  static bool done = false;
+  if (!done) {
+    FDL_CHECK_CUDA(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+                   "cudaFuncSetAttribute (dynamic shared memory)");
+    done = true;
+  }
+}
+
 // Dispatch on the three float dtypes: FDL_FLOAT_SWITCH(dtype, T, op, { body using T });
 #define FDL_FLOAT_SWITCH(dt, T, op, ...)                                            \
   switch (dt) {                                                                     \

@@ -71,18 +71,6 @@ using MmaDown16 = MoeMmaCfg<16, 128, 1, 4, false, 4>;
 using MmaUp64 = MoeMmaCfg<64, 64, 2, 2, true, 3>;
 using MmaDown64 = MoeMmaCfg<64, 128, 2, 2, false, 3>;
 
-// The dynamic shared memory `Kernel` launches with: a host-side attribute, set once per kernel (also fine during a
-// capture).
-template <auto Kernel>
-void allow_smem(size_t bytes) {
-  static bool done = false;
-  if (!done) {
-    FDL_CHECK_CUDA(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
-                   "fdl_moe_experts: cudaFuncSetAttribute");
-    done = true;
-  }
-}
-
 template <typename T, typename C>
 void launch_mma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s) {
   allow_smem<moe_gemm_mma_kernel<T, C>>(C::smem_bytes);
