@@ -4,7 +4,7 @@
 # utilization, the SASS lines that stall most). Per case: $OUT/<name>.ncu-rep, <name>_details.txt (every section)
 # and <name>_sass.csv.gz (per-instruction counters).
 #
-#   bash $KIT/device-setup.sh setup && CASES="attn_bn64|attention_prefill|attn_wgmma_kernelI13__nv_bfloat16Li128ELi64EEEv|62|1" \
+#   bash $KIT/device-setup.sh setup && CASES="attn_bn64|attention_prefill|attn_wgmma_kernelI13__nv_bfloat16Li128EEEv|62|1" \
 #     bash tools/gpu/run_ncu_kernels.sh
 # CASES: space-separated "name|benchmarks (the harness's --only)|regex over mangled kernel names|launches of matching
 # kernels to skip|launches to profile". Env: NCU (default ncu), LIMIT_S (per case, default 240).

@@ -202,8 +202,9 @@ __device__ __forceinline__ void decode_write_partial(const Args& a, int s, int t
 
 // The last block of (t, j) to get here (p: t's partial row, `partial_row`) merges the splits of the per-token
 // kernels (attn_decode_kernel, attn_decode_mma_kernel), once each block has written its split's partial (o_s
-// unnormalized, m_s in log2 units, l_s): out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the counter for the next call. scratch: at
-// least (MAXG x 64 + MAXG) floats of shared memory the block no longer needs (its K / V buffers).
+// unnormalized, m_s in log2 units, l_s): out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the
+// counter for the next call. scratch: at least (MAXG x 64 + MAXG) floats of shared memory the block no longer needs
+// (its K / V buffers).
 template <typename T, int D>
 __device__ void decode_merge_splits(const Args& a, int64_t t, int64_t p, int j, float* scratch) {
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most

@@ -27,9 +27,9 @@ namespace {
 constexpr int64_t kRopeGroupFrom = 512;
 
 // One warp per (token, group of HPW consecutive heads) of q, k and v heads: the token's cos / sin row is read once per
-// group (read per head, those table reads were 3x the qkv bytes at head_dim 128; HPW 4 from kRopeGroupFrom tokens). Lane l holds VEC consecutive pairs
-// (i, i + d/2), i = VEC l + 32 VEC p + v, so the rotate_half partner is in the same thread and every load and store
-// moves VEC elements (VEC = 2 when d/2 is even). STEPS = ceil(d/2 / (32 VEC)).
+// group (read per head, those table reads were 3x the qkv bytes at head_dim 128; HPW 4 from kRopeGroupFrom tokens).
+// Lane l holds VEC consecutive pairs (i, i + d/2), i = VEC l + 32 VEC p + v, so the rotate_half partner is in the same
+// thread and every load and store moves VEC elements (VEC = 2 when d/2 is even). STEPS = ceil(d/2 / (32 VEC)).
 template <typename T, typename C, int STEPS, int VEC, int HPW, bool F8>
 __global__ void rope_cache_kernel(T* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache,
                                   float* __restrict__ k_scale, float* __restrict__ v_scale, const T* __restrict__ qkv, const int64_t* __restrict__ positions,
