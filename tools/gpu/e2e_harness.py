@@ -790,6 +790,13 @@ def protocol(n=256, max_in=1024, max_out=1024, seed=0):
     return prompts, outs
 
 
+def prefill_heavy_prompts(n, lo=1024, hi=2040):
+    """The prefill-heavy jobs' prompts (issue 25): n prompts of lo-hi random token ids (2,040 fits max_model_len
+    2,048), the same ones in every section."""
+    random.seed(1)
+    return [[random.randint(0, 10000) for _ in range(random.randint(lo, hi))] for _ in range(n)]
+
+
 def run_protocol(llm) -> dict:
     """nano-vllm's protocol on `llm` after a short warm-up: temperature 0.6, ignore_eos, output tokens/s."""
     from fdlite import SamplingParams  # noqa: PLC0415
@@ -1027,8 +1034,7 @@ def section_throughput():
         """Issue 25's prefill-heavy job: 1,024 prompts of 1,024-2,040 tokens (to fit max_model_len 2,048), 8 output
         tokens each, greedy."""
         llm = state["llm"]
-        random.seed(1)
-        prompts = [[random.randint(0, 10000) for _ in range(random.randint(1024, 2040))] for _ in range(1024)]
+        prompts = prefill_heavy_prompts(1024)
         t = time.time()
         res = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8,
                                                                                       ignore_eos=True), use_tqdm=False)
@@ -1342,8 +1348,7 @@ def section_profile():
                   skip_tokenizer_init=True, device=FDL_DEVICE, dtype="bfloat16" if FDL_DEVICE == "gpu" else "float32",
                   max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=False,
                   async_scheduling=False)
-        random.seed(1)  # section_moe_bench's prefill-heavy prompts
-        prompts = [[random.randint(0, 10000) for _ in range(random.randint(1024, 2040))] for _ in range(32)]
+        prompts = prefill_heavy_prompts(32)
         outs = [8] * len(prompts)
     else:
         llm = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
@@ -1955,10 +1960,7 @@ def section_moe_bench():
             return {**out, "roofline": roof}
 
         def prefill_case():
-            n, lo, hi = (8, 64, 120) if ARGS.quick else (256, 1024, 2040)
-            random.seed(1)
-            prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo, hi))]
-                       for _ in range(n)]
+            prompts = prefill_heavy_prompts(8, 64, 120) if ARGS.quick else prefill_heavy_prompts(256)
             out, roof = timed(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
             out["tokens_per_s"] = round((out["input_tokens"] + out["output_tokens"]) / out["generate_s"], 1)
             out["flop_roofline_tokens_per_s"] = round((out["input_tokens"] + out["output_tokens"])
