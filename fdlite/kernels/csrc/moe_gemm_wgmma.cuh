@@ -3,12 +3,14 @@
 // expert's [out, in] weights, the gated or the down epilogue), with 128 x 256 tiles.
 //
 // Why another kernel: the mma.sync one reaches 150-200 TFLOP/s at 4,096 tokens, and its 64 x 64 tiles cannot
-// feed tensor cores that read their operands from shared memory at twice its rate. Why not TMA: A's rows are
-// gathered through the sorted row list (a token's hidden state, or its row of act), which a tensor map cannot
-// describe; cp.async writes the 128-byte-swizzled layout TMA would, as in attention_wgmma.cuh.
+// feed tensor cores that read their operands from shared memory at twice its rate.
+// Loads: B (an expert's weight rows) and the down GEMM's A (act, whose rows are already in sorted order) are tiles
+// of 2D tensors and come by TMA, one thread issuing a chunk's boxes; the gate/up GEMM's A rows are gathered through
+// the sorted row list (a token's hidden state), which a tensor map cannot describe, so the loader warpgroup copies
+// them with cp.async into the 128-byte-swizzled layout TMA writes.
 //
 // Persistent blocks (one per SM) walk the (real M tile, N block) items in a fixed stride. A block is warp-specialized:
-// warpgroup 0 copies each K chunk (BK = 64 columns: one 128-byte panel) of an item's 128 A rows and 256 B rows
+// warpgroup 0 loads each K chunk (BK = 64 columns: one 128-byte panel) of an item's 128 A rows and 256 B rows
 // into one of STAGES shared-memory stages, running on into the next item while the last one's epilogue runs,
 // mbarriers handing each stage to the computing warpgroups and back; warpgroups 1 and 2 take 64 rows each and run
 // m64n256k16 wgmmas with both operands in shared memory, keeping one chunk's MMAs in flight while they wait for
@@ -17,6 +19,9 @@
 //    [I + n0, I + n0 + 128): a thread's accumulator holds gate column n and up column n side by side (blocks nb
 //    and nb + 16 of the m64n256 layout), so SiLU-and-multiply needs no exchange. 128 columns of act per block.
 //  - down: B rows are [n0, n0 + 256) of w2[e]; 256 columns of y per block.
+// Rows of a box past the expert's own (N not a multiple of the box) are the next rows of the tensor or TMA's zeros:
+// they feed only output columns >= N, which are never written; act's padding rows (never written by the gate/up
+// GEMM) feed only padding rows of y, never written either.
 // Each output element is a sum over K in chunk order (wgmma's own order inside a chunk), whatever the other rows
 // of its tile are: a token's result does not depend on its batch among launches of this kernel.
 #pragma once
@@ -44,7 +49,8 @@ struct MoeWgCfg {
   // released, which happens once chunk c + LAG - STAGES + 1 is full: no cycle iff LAG <= STAGES - 2
   static_assert(LAG <= STAGES - 2, "the stage hand-over would deadlock");
   static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
-  static constexpr int A_CPT = BM * 8 / WG, B_CPT = BN * 8 / WG;  // 16-byte copies per loader thread per chunk
+  static constexpr int A_CPT = BM * 8 / WG;  // gate/up: 16-byte A copies per loader thread per chunk
+  static constexpr int B_BOX = GATED ? BN / 2 : BN;  // rows of a B box: the gate and the up half, or all
   static constexpr int RSTEP = WG / 8;        // rows between a loader thread's successive copies
   static_assert(RSTEP % 8 == 0, "a loader thread's rows share one swizzle phase");
   // stages | mbarriers full[STAGES], empty[STAGES], + room to align the base to 1024
@@ -52,8 +58,15 @@ struct MoeWgCfg {
   static constexpr size_t bytes = BAR_OFF + 2 * STAGES * 8 + 1024;
 };
 
+// The kernel's TMA descriptors: a (the down GEMM's act [rows, K]; unused by the gate/up GEMM) and b (the weights as
+// [E out, K]), both in boxes of 64 columns by C::BM or C::B_BOX rows.
+struct MoeTmaps {
+  CUtensorMap a, b;
+};
+
 template <typename T, typename C>
-__global__ void __launch_bounds__(C::NTH, 1) moe_gemm_wgmma_kernel(MoeGemmArgs p, int tiles, int nblocks) {
+__global__ void __launch_bounds__(C::NTH, 1)
+    moe_gemm_wgmma_kernel(MoeGemmArgs p, int tiles, int nblocks, const __grid_constant__ MoeTmaps tm) {
   pdl_trigger();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ float4 moe_wg_smem4[];
@@ -61,7 +74,7 @@ __global__ void __launch_bounds__(C::NTH, 1) moe_gemm_wgmma_kernel(MoeGemmArgs p
   const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(smem + C::BAR_OFF), empty0 = full0 + 8 * C::STAGES;
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
-      mbar_init(full0 + 8 * s, C::WG);                  // every loader thread arrives
+      mbar_init(full0 + 8 * s, C::GATED ? C::WG + 1 : 1);  // gate/up: every cp.async thread + the TMA thread
       mbar_init(empty0 + 8 * s, C::WG * C::CONSUMERS);  // every computing thread arrives
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -86,57 +99,54 @@ __global__ void __launch_bounds__(C::NTH, 1) moe_gemm_wgmma_kernel(MoeGemmArgs p
   // expert's weights once for its few consecutive tiles.
 
   if (wg == 0) {  // ---------------------------------------------------------------------------------- loader
-    const int tid = threadIdx.x, c = tid & 7, rr = tid >> 3;  // piece c of rows rr + n RSTEP
+    const int tid = threadIdx.x, c = tid & 7, rr = tid >> 3;  // gate/up: piece c of A rows rr + n RSTEP
+    if (!C::GATED && tid != 0) return;  // down: TMA only, from one thread
     const int soff = sw128(rr, c);  // rows rr + n RSTEP keep rr's swizzle phase
     const T* a = static_cast<const T*>(p.a);
+    const uint32_t st0 = (uint32_t)__cvta_generic_to_shared(smem);
     int it = 0;  // chunks issued so far
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       const int tile = item / nblocks, n0 = item % nblocks * C::OUT_N;
       const int e = p.tile_expert[tile];
-      const T* wexp = static_cast<const T*>(p.w) + (int64_t)e * (C::GATED ? 2 : 1) * p.N * p.K;
+      const int brow = e * (C::GATED ? 2 : 1) * p.N + n0;  // the item's first B row in the [E out, K] view
       const T* asrc[C::A_CPT];
-      const T* bsrc[C::B_CPT];
+      if (C::GATED) {
 #pragma unroll
-      for (int n = 0; n < C::A_CPT; ++n) {
-        const int r = tile * C::BM + rr + n * C::RSTEP;
-        const int rid = p.sorted_rows[r];  // -1: padding
-        const int src = rid < 0 ? -1 : (C::GATED ? rid / p.topk : r);
-        asrc[n] = src >= 0 ? a + (int64_t)src * p.K + c * 8 : nullptr;
-      }
-#pragma unroll
-      for (int n = 0; n < C::B_CPT; ++n) {
-        const int row = rr + n * C::RSTEP;
-        int wrow;  // the weight row, or -1 past the matrix
-        if (C::GATED) {
-          const int col = n0 + (row < C::OUT_N ? row : row - C::OUT_N);
-          wrow = col < p.N ? (row < C::OUT_N ? col : p.N + col) : -1;
-        } else {
-          wrow = n0 + row < p.N ? n0 + row : -1;
+        for (int n = 0; n < C::A_CPT; ++n) {
+          const int rid = p.sorted_rows[tile * C::BM + rr + n * C::RSTEP];  // -1: padding
+          asrc[n] = rid >= 0 ? a + (int64_t)(rid / p.topk) * p.K + c * 8 : nullptr;
         }
-        bsrc[n] = wrow >= 0 ? wexp + (int64_t)wrow * p.K + c * 8 : nullptr;
       }
       for (int kc = 0; kc < nk; ++kc, ++it) {
         const int s = it % C::STAGES;
+        const uint32_t full = full0 + 8 * s;
         mbar_wait(empty0 + 8 * s, ((it / C::STAGES) & 1) ^ 1);  // chunk it - STAGES released the stage
-        uint8_t* As = smem + s * C::STAGE;
-        uint8_t* Bs = As + C::A_BYTES;
+        const uint32_t As = st0 + s * C::STAGE, Bs = As + C::A_BYTES;
         const int k0 = kc * C::BK;
-        const bool kin = k0 + c * 8 < p.K;  // K is a multiple of 8: a piece is wholly inside or outside
-#pragma unroll
-        for (int n = 0; n < C::A_CPT; ++n) {
-          const bool valid = kin && asrc[n] != nullptr;
-          cp_async16(As + soff + n * C::RSTEP * 128, valid ? asrc[n] + k0 : a, valid);  // invalid: zeros
+        if (tid == 0) {
+          mbar_arrive_expect_tx(full, C::GATED ? C::B_BYTES : C::STAGE);
+          if (C::GATED) {  // gate rows, then the up rows N further on
+            tma_load_2d(Bs, &tm.b, k0, brow, full);
+            tma_load_2d(Bs + C::B_BOX * 128, &tm.b, k0, brow + p.N, full);
+          } else {
+            tma_load_2d(As, &tm.a, k0, tile * C::BM, full);
+            tma_load_2d(Bs, &tm.b, k0, brow, full);
+          }
         }
+        if (C::GATED) {
+          const bool kin = k0 + c * 8 < p.K;  // K is a multiple of 8: a piece is wholly inside or outside
+          uint8_t* Ag = smem + s * C::STAGE;
 #pragma unroll
-        for (int n = 0; n < C::B_CPT; ++n) {
-          const bool valid = kin && bsrc[n] != nullptr;
-          cp_async16(Bs + soff + n * C::RSTEP * 128, valid ? bsrc[n] + k0 : a, valid);
+          for (int n = 0; n < C::A_CPT; ++n) {
+            const bool valid = kin && asrc[n] != nullptr;
+            cp_async16(Ag + soff + n * C::RSTEP * 128, valid ? asrc[n] + k0 : a, valid);  // invalid: zeros
+          }
+          cp_async_commit();
+          stage_full_lagging<C::LAG>(full0, C::STAGES, it, it + 1);  // one stream across the items
         }
-        cp_async_commit();
-        stage_full_lagging<C::LAG>(full0, C::STAGES, it, it + 1);  // one stream across the items
       }
     }
-    stages_rest_full<C::LAG>(full0, C::STAGES, it, it);
+    if (C::GATED) stages_rest_full<C::LAG>(full0, C::STAGES, it, it);
     return;
   }
 

@@ -78,12 +78,17 @@ void launch_mma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s) {
   launch("moe_gemm_mma_kernel", moe_gemm_mma_kernel<T, C>, grid, C::NTH, C::smem_bytes, s, pdl, a);
 }
 
+// E: experts (the weights' rows are E (2) N); the down GEMM's A (act) has tiles BM rows.
 template <typename T, typename C>
-void launch_wgmma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s) {
+void launch_wgmma(const MoeGemmArgs& a, int64_t tiles, int64_t E, bool pdl, cudaStream_t s) {
   allow_smem<moe_gemm_wgmma_kernel<T, C>>(C::bytes);
   const int64_t nblocks = ceil_div(a.N, C::OUT_N), items = tiles * nblocks;  // at most: tiles past the real ones
+  MoeTmaps tm = {};
+  const char* op = "fdl_moe_experts";
+  tm.b = tma_map_2d(a.w, E * (C::GATED ? 2 : 1) * a.N, a.K, C::B_BOX, op);
+  if (!C::GATED) tm.a = tma_map_2d(a.a, tiles * C::BM, a.K, C::BM, op);
   launch("moe_gemm_wgmma_kernel", moe_gemm_wgmma_kernel<T, C>, (unsigned)std::min<int64_t>(items, num_sms()), C::NTH,
-         C::bytes, s, pdl, a, (int)tiles, (int)nblocks);  // persistent: one block per SM at most
+         C::bytes, s, pdl, a, (int)tiles, (int)nblocks, tm);  // persistent: one block per SM at most
 }
 
 template <int BM, bool GATED>
@@ -93,7 +98,7 @@ void launch_fma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s) {
 }
 
 template <typename T>
-void launch_gemms(MoeGemmArgs up, MoeGemmArgs down, int bm, int64_t tiles, bool pdl, cudaStream_t s) {
+void launch_gemms(MoeGemmArgs up, MoeGemmArgs down, int bm, int64_t tiles, int64_t E, bool pdl, cudaStream_t s) {
   if constexpr (std::is_same<T, float>::value) {
     if (bm == 16) {
       launch_fma<16, true>(up, tiles, pdl, s);
@@ -107,8 +112,8 @@ void launch_gemms(MoeGemmArgs up, MoeGemmArgs down, int bm, int64_t tiles, bool 
       launch_mma<T, MmaUp16>(up, tiles, pdl, s);
       launch_mma<T, MmaDown16>(down, tiles, pdl, s);
     } else if (bm == 128) {
-      launch_wgmma<T, MoeWgCfg<true>>(up, tiles, pdl, s);
-      launch_wgmma<T, MoeWgCfg<false>>(down, tiles, pdl, s);
+      launch_wgmma<T, MoeWgCfg<true>>(up, tiles, E, pdl, s);
+      launch_wgmma<T, MoeWgCfg<false>>(down, tiles, E, pdl, s);
     } else {
       launch_mma<T, MmaUp64>(up, tiles, pdl, s);
       launch_mma<T, MmaDown64>(down, tiles, pdl, s);
@@ -210,7 +215,7 @@ std::vector<paddle::Tensor> MoeExperts(const paddle::Tensor& x, const paddle::Te
   MoeGemmArgs down{act.data(), w2.data(), y.data(), a.sorted_rows, a.tile_expert,
                    static_cast<const float*>(weights.data()), (int)H, (int)I, (int)k};
   FDL_FLOAT_SWITCH(x.dtype(), T_, op, {
-    launch_gemms<T_>(up, down, bm, tiles, pdl, s);
+    launch_gemms<T_>(up, down, bm, tiles, E, pdl, s);
     constexpr int V16 = vec16<T_>();
     const int threads = 256;
     const int64_t blocks = std::min<int64_t>(ceil_div(T * (H / V16), threads), (int64_t)num_sms() * 8);

@@ -1,10 +1,14 @@
 // Hopper (sm_90a) building blocks shared by the warp-specialized wgmma kernels (attention_wgmma.cuh,
 // moe_gemm_wgmma.cuh): mbarriers and named barriers for the hand-over between a loader warpgroup and computing
-// warpgroups, the 128-byte swizzle that cp.async gathers write and wgmma reads, shared-memory matrix
-// descriptors, and the wgmma instructions themselves (inline PTX: the CUDA toolkit has no intrinsics for them).
+// warpgroups, the 128-byte swizzle that cp.async gathers write and wgmma reads, TMA tile loads (the same layout,
+// for operands that are tiles of a 2D tensor), shared-memory matrix descriptors, and the wgmma instructions
+// themselves (inline PTX: the CUDA toolkit has no intrinsics for them).
 // The instructions exist only in sm_90a code (__CUDA_ARCH_FEAT_SM90_ALL); `wgmma_ready()` tells the host whether
 // such code was built (FDL_HAVE_SM90A, set by build.py) and can run on the current GPU.
 #pragma once
+
+#include <cuda.h>          // CUtensorMap
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include "ops_common.cuh"
 
@@ -28,6 +32,10 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// Arrives and expects `bytes` more of asynchronous copies (TMA) to complete on this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
 // Returns once the phase of parity `parity` has completed (a phase not yet begun counts as the previous one).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
@@ -46,6 +54,42 @@ __device__ __forceinline__ void named_bar_sync(int id, int count) {
 }
 __device__ __forceinline__ void named_bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// TMA: the box at (column x, row y) of the 2D tensor `map` describes into shared memory at `dst` (128-byte
+// swizzled, 1024-aligned: the layout sw128 gives), completing its bytes on mbarrier `bar`. Out-of-range parts of
+// the box read as zeros.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+          "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// The tensor map of a row-major [rows, cols] matrix of 2-byte elements (bf16 / fp16) read in boxes of 64 columns
+// (one 128-byte swizzled panel) by `box_rows` rows. The driver's encoder is reached through the runtime (no
+// link to libcuda). cols * 2 must be a multiple of 16 and the base 16-byte aligned (the callers check both).
+inline CUtensorMap tma_map_2d(const void* base, int64_t rows, int64_t cols, int box_rows, const char* op) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                           &found);
+    return e == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
+  }();
+  PD_CHECK(encode != nullptr, op, ": the CUDA driver has no cuTensorMapEncodeTiled (TMA needs a CUDA 12 driver)");
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
+  const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  PD_CHECK(r == CUDA_SUCCESS, op, ": cuTensorMapEncodeTiled failed (", (int)r, ") for a [", rows, ", ", cols,
+           "] matrix");
+  return map;
 }
 
 // Byte offset of 16-byte piece `c` (0-7) of row `r` in a 128-byte-swizzled panel.
