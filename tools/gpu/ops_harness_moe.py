@@ -119,32 +119,39 @@ def checks(h) -> None:
         if dt != "float32" and h.WGMMA:  # the wgmma kernels (128-row tiles, the default here) on more shapes
             for T, E, k, H, I, kind in ((1, 8, 2, 256, 128, "random"), (29, 8, 2, 136, 40, "uneven"),
                                          (300, 8, 2, 64, 32, "one"), (1000, 64, 8, 256, 128, "idle"),
-                                         (300, 16, 8, 2048, 768, "random"), (200, 8, 6, 2560, 1536, "uneven")):
+                                         (300, 16, 8, 2048, 768, "random"), (200, 8, 6, 2560, 1536, "uneven"),
+                                         # several tiles per expert: padded halves of last tiles (their MMAs
+                                         # skipped), one-row last tiles, odd widths, the full-size widths
+                                         (1100, 8, 2, 256, 128, "uneven"), (700, 4, 3, 136, 40, "random"),
+                                         (513, 2, 1, 64, 32, "one"), (2048, 16, 8, 2048, 768, "random"),
+                                         (1500, 8, 6, 2560, 1536, "idle")):
                 check(f"moe_experts {dt} wgmma block_m=128 T={T} E={E} k={k} H={H} I={I} routing={kind}",
                       t_experts(T, E, k, H, I, dt, kind, 128))
 
-    def t_row_alone(dt, E=64, k=6, H=256, I=128, bm=0, bm_alone=None):
-        """A token's output alone equals its row in a batch of 300, bitwise (the wgmma kernels, the default on the
+    def t_row_alone(dt, E=64, k=6, H=256, I=128, bm=0, bm_alone=None, T=300):
+        """A token's output alone equals its row in a batch of T, bitwise (the wgmma kernels, the default on the
         H100: a token's sums do not depend on the other rows of its tile; the mma.sync kernels with BM 16 alone and
         64 in the batch: the same K order)."""
         def f():
-            T = 300
             ids = routing("random", T, E, k, rng)
             w = rng.random((T, k)).astype(np.float32)
             x = q(rng.standard_normal((T, H)), dt)
             w13 = to_gpu(q(rng.standard_normal((E, 2 * I, H)) / 16, dt), dt)
             w2 = to_gpu(q(rng.standard_normal((E, H, I)) / 12, dt), dt)
             full = to_np(G.moe_experts(to_gpu(x, dt), to_gpu(ids, "int32"), to_gpu(w, "float32"), w13, w2, bm))
-            rows = [0, 7, 299]
+            rows = [0, 7, T - 1]
             alone = np.stack([to_np(G.moe_experts(to_gpu(x[r:r + 1], dt), to_gpu(ids[r:r + 1], "int32"),
                                                   to_gpu(w[r:r + 1], "float32"), w13, w2,
                                                   bm if bm_alone is None else bm_alone))[0] for r in rows])
             ok = np.array_equal(alone, full[rows])
-            return ok, 0.0 if ok else relerr(alone, full[rows]), 0, "rows 0, 7, 299"
+            return ok, 0.0 if ok else relerr(alone, full[rows]), 0, f"rows {rows}"
         return f
 
     for dt in h.DTYPES:
         check(f"moe_experts {dt}: a token alone = in a batch of 300, bitwise", t_row_alone(dt))
+        if dt != "float32" and h.WGMMA:
+            check(f"moe_experts {dt}: a token alone = in a batch of 1100 (several full tiles per expert), bitwise",
+                  t_row_alone(dt, E=8, k=2, T=1100))
         if dt != "float32":
             check(f"moe_experts {dt} mma.sync: a token alone (block_m 16) = in a batch of 300 (64), bitwise",
                   t_row_alone(dt, bm=64, bm_alone=16))

@@ -23,7 +23,8 @@
 // they feed only output columns >= N, which are never written; act's padding rows (never written by the gate/up
 // GEMM) feed only padding rows of y, never written either.
 // Each output element is a sum over K in chunk order (wgmma's own order inside a chunk), whatever the other rows
-// of its tile are: a token's result does not depend on its batch among launches of this kernel.
+// of its tile are: a token's result does not depend on its batch among launches of this kernel. A computing
+// warpgroup whose 64 rows are all padding (the tail of an expert's last tile) skips its MMAs.
 #pragma once
 
 #include "mma_sync.cuh"
@@ -161,6 +162,9 @@ __global__ void __launch_bounds__(C::NTH, 1)
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int tile = item / nblocks, n0 = item % nblocks * C::OUT_N;
     const int r0 = tile * C::BM;
+    // padding is a suffix of an expert's last tile: a warpgroup whose first row is padding has no real row (read by
+    // one lane: ptxas must see the wgmma branch uniform)
+    const bool active = __shfl_sync(0xffffffffu, p.sorted_rows[r0 + (wg - 1) * 64] >= 0, 0);
     int rid[2];
     float wq[2] = {0.f, 0.f};
 #pragma unroll
@@ -173,6 +177,10 @@ __global__ void __launch_bounds__(C::NTH, 1)
     for (int kc = 0; kc < nk; ++kc, ++it) {
       const int s = it % C::STAGES;
       mbar_wait(full0 + 8 * s, (it / C::STAGES) & 1);
+      if (!active) {
+        mbar_arrive(empty0 + 8 * s);
+        continue;
+      }
       const uint32_t a_addr = st0 + s * C::STAGE + (wg - 1) * 64 * 128, b_addr = st0 + s * C::STAGE + C::A_BYTES;
       wg_fence();
 #pragma unroll
@@ -184,6 +192,7 @@ __global__ void __launch_bounds__(C::NTH, 1)
         mbar_arrive(empty0 + 8 * ((it - 1) % C::STAGES));
       }
     }
+    if (!active) continue;  // no real row: nothing to write
     wg_wait<0>();
     mbar_arrive(empty0 + 8 * ((it - 1) % C::STAGES));  // the item's last stage: the loader is into the next item
     wg_pin(acc);
