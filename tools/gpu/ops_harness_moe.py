@@ -87,6 +87,9 @@ def checks(h) -> None:
         for bm in (0, 16, 64, 128):
             for kind in ("random", "uneven", "one", "idle"):
                 check(f"moe_align T={T} E={E} k={k} block_m={bm} routing={kind}", t_align(T, E, k, bm, kind))
+    for T, E, k in ((300, 1024, 8), (65536, 128, 8)):  # the most experts; 1024 chunks (32 per prefix warp)
+        for bm in (16, 128):
+            check(f"moe_align T={T} E={E} k={k} block_m={bm} routing=uneven", t_align(T, E, k, bm, "uneven"))
 
     def t_experts(T, E, k, H, I, dt, kind, bm=0):
         def f():
