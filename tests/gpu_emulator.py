@@ -283,12 +283,17 @@ def moe_align(ids, num_experts, block_m=0):
     return paddle.to_tensor(rows), paddle.to_tensor(tiles)
 
 
-def moe_experts(x, ids, weights, w13, w2, block_m=0):
-    """The contract of ops_moe.cu: [E, out, in] expert weights (the GPU layout), int32 ids, float32 weights."""
+def moe_experts(x, ids, weights, w13, w2, block_m=0, shared=None):
+    """The contract of ops_moe.cu: [E, out, in] expert weights (the GPU layout), int32 ids, float32 weights; shared
+    (x's shape and dtype) added before the rounding."""
     CALLS["moe_experts"] += 1
     assert ids.dtype == paddle.int32 and weights.dtype == paddle.float32
     assert w13.shape[0] == w2.shape[0] and w13.shape[2] == x.shape[1] == w2.shape[1] and w13.shape[1] == 2 * w2.shape[2]
-    out = moe_ref.experts(_np(x), ids.numpy(), weights.numpy(), _np(w13), _np(w2))
+    if shared is not None:
+        CALLS["moe_experts_shared"] += 1
+        assert shared.shape == x.shape and shared.dtype == x.dtype
+    out = moe_ref.experts(_np(x), ids.numpy(), weights.numpy(), _np(w13), _np(w2),
+                          shared=None if shared is None else _np(shared))
     return paddle.to_tensor(out.astype(np.float32))
 
 

@@ -67,10 +67,10 @@ def align(ids: np.ndarray, num_experts: int, bm: int) -> tuple[np.ndarray, np.nd
 
 
 def experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w13: np.ndarray, w2: np.ndarray,
-            rnd=lambda a: a) -> np.ndarray:
+            rnd=lambda a: a, shared: np.ndarray | None = None) -> np.ndarray:
     """out [T, H] = sum_j weights[t, j] * w2[e] (silu(w13[e, :I] x_t) * (w13[e, I:] x_t)), e = ids[t, j], with the
-    experts' [E, out, in] weights; `rnd` rounds to the model's dtype where the kernels do (after each GEMM, after
-    silu, after each product; the sum over j in float, rounded once)."""
+    experts' [E, out, in] weights, + shared [T, H] if given; `rnd` rounds to the model's dtype where the kernels do
+    (after each GEMM, after silu, after each product; the sum over j plus shared in float, rounded once)."""
     t, k = ids.shape
     inter = w13.shape[1] // 2
     out = np.zeros((t, x.shape[1]), np.float64)
@@ -82,4 +82,6 @@ def experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w13: np.ndarray
         y = rnd(act @ w2[e].T.astype(np.float64))
         y = rnd(y * rnd(weights[tok, j].astype(np.float64))[:, None])
         np.add.at(out, tok, y)
+    if shared is not None:
+        out += shared
     return rnd(out)

@@ -110,14 +110,21 @@ def test_experts_reference_is_the_cpu_forward():
 
 
 def test_moe_wrappers_check_shapes_before_the_kernel(monkeypatch):
-    ran = []
-    monkeypatch.setattr(gpu_ops, "_run", lambda name, *a: ran.append(name) or [None, None])
+    ran, sent = [], []
+    monkeypatch.setattr(gpu_ops, "_run", lambda name, *a: ran.append(name) or sent.append(a) or [None, None])
     monkeypatch.setattr(gpu_ops, "_check", lambda t, name, dtypes=None, ndim=None: None)  # no GPU here
     x, ids, w = paddle.zeros([3, 16]), paddle.zeros([3, 2], "int32"), paddle.zeros([3, 2])
     w13, w2 = paddle.zeros([4, 16, 16]), paddle.zeros([4, 16, 8])
     gpu_ops.moe_experts(x, ids, w, w13, w2)
     gpu_ops.moe_experts(x, ids, w, w13, w2, block_m=128)  # the wgmma kernels' tile, for side-by-side runs
-    assert ran == ["fdl_moe_experts"] * 2
+    shared = paddle.zeros([3, 16])
+    gpu_ops.moe_experts(x, ids, w, w13, w2, shared=shared)
+    assert ran == ["fdl_moe_experts"] * 3
+    # (..., Shared, block_m, has_shared): x stands in for a missing addend, which has_shared says to skip
+    assert [a[5:] for a in sent] == [(x, 0, False), (x, 128, False), (shared, 0, True)]
+    for bad in (paddle.zeros([3, 8]), paddle.zeros([2, 16])):
+        with pytest.raises(gpu_ops.GpuOpsError, match="shared"):
+            gpu_ops.moe_experts(x, ids, w, w13, w2, shared=bad)
     bad = [(x, ids, w, paddle.zeros([4, 8, 16]), w2),            # w13 rows != 2 I
            (x, ids, paddle.zeros([3, 3]), w13, w2),              # weights' k != ids' k
            (x, paddle.zeros([2, 2], "int32"), paddle.zeros([2, 2]), w13, w2),  # T differs
@@ -131,7 +138,34 @@ def test_moe_wrappers_check_shapes_before_the_kernel(monkeypatch):
         gpu_ops.moe_route(paddle.zeros([3, 4]), 5, True)
     with pytest.raises(gpu_ops.GpuOpsError, match="correction_bias"):
         gpu_ops.moe_route(paddle.zeros([3, 4]), 2, True, correction_bias=paddle.zeros([1, 5]))
-    assert ran == ["fdl_moe_experts"] * 2
+    assert ran == ["fdl_moe_experts"] * 3
+
+
+def test_moe_block_folds_the_shared_experts_into_the_unpermute_with_one_rank(model_dirs, monkeypatch):
+    """ERNIE's MoE block on the emulated GPU path: with one rank the shared experts' output goes into moe_experts'
+    sum (no add pass); in the tensor-parallel order (the all-reduce is the identity in one process) it is added
+    by add_ after the routed sum. No Paddle compute kernel either way, and the two agree."""
+    from test_gpu_path_cpu import _forbid_builtin_compute
+
+    from fdlite.models.model_config import ModelConfig
+    from fdlite.models.moe import MoEBlock, MoESpec
+    from fdlite.models.tp_partition import TPPartition
+
+    calls = gpu_emulator.install(monkeypatch)
+    cfg = ModelConfig.from_dir(model_dirs["ernie45_moe"])
+    paddle.seed(0)
+    block = MoEBlock(cfg, MoESpec.ernie(cfg), "float32", TPPartition.single(cfg))
+    for p in block.parameters():
+        p.set_value(paddle.randn(p.shape) * 0.5)
+    x = paddle.randn([7, cfg.hidden_size])
+    _forbid_builtin_compute(monkeypatch)
+    folded = block(x).numpy()
+    assert calls["moe_experts_shared"] == 1 and calls["add_"] == 0
+    block.tp_size = 2
+    added = block(x).numpy()
+    assert calls["moe_experts_shared"] == 1 and calls["add_"] == 1
+    np.testing.assert_allclose(folded, added, rtol=1e-5, atol=1e-6)
+    assert np.abs(folded).max() > 0.1
 
 
 def test_gpu_experts_are_stored_out_in(monkeypatch):
@@ -159,5 +193,8 @@ def test_emulated_gpu_moe_models_give_the_cpu_tokens(model_dirs, family, graphs,
     got = llm.generate(prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert calls["moe_route"] > 0 and calls["moe_experts"] == calls["moe_route"]
+    # ERNIE's shared experts folded into every routed sum (one rank), with no add pass; Qwen3-MoE has none
+    assert calls["moe_experts_shared"] == (calls["moe_experts"] if family == "ernie45_moe" else 0)
+    assert calls["add_"] == 0
     if graphs:
         assert llm.last_generate_stats["cudagraph_replays"] > 0

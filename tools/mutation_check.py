@@ -673,6 +673,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "moe-shared-fold-dropped",
+        "A MoE block on the GPU path with one rank runs its shared experts but gives moe_experts no addend (ERNIE's "
+        "shared-expert output is lost)",
+        (Edit("fdlite/models/moe.py",
+              "            return self.experts(x, shared=self.shared_experts(x))\n",
+              "            return self.experts(x)  # MUTATION\n"),),
+        ("tests/test_moe_gpu_path.py::test_emulated_gpu_moe_models_give_the_cpu_tokens",
+         "tests/test_moe_gpu_path.py::test_moe_block_folds_the_shared_experts_into_the_unpermute_with_one_rank"),
+        "new",
+    ),
+    Mutation(
+        "moe-experts-wrapper-drops-shared",
+        "gpu.moe_experts never tells the kernel it has a shared addend (has_shared always false)",
+        (Edit("fdlite/kernels/gpu.py",
+              "    has_shared = shared is not None\n",
+              "    has_shared = False  # MUTATION\n"),),
+        ("tests/test_moe_gpu_path.py::test_moe_wrappers_check_shapes_before_the_kernel",),
+        "new",
+    ),
+    Mutation(
         "dummy-router-differs-per-rank",
         "load_format='dummy' gives every rank its own values of the replicated parameters too (the MoE router), so "
         "ranks route tokens to different experts",

@@ -80,8 +80,8 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
 CAPI_KEEP_GIL = frozenset({"fdl_ops_abi_version", "fdl_set_options", "fdl_event_create", "fdl_event_record",
                            "fdl_event_destroy", "fdl_memcpy_h2d_async", "fdl_memcpy_h2d_many",
                            "fdl_memcpy_h2d_many_pinned", "fdl_memcpy_d2h_async"})
-ABI_VERSION = 12  # fdl_ops_abi_version() of the sources this module speaks to (7: MoE ops; 8: fdl_add_; 9: FP8 KV;
-#                  10: fdl_memcpy_h2d_many_pinned; 11: attn_mma 0 / 1 / 2; 12: decode_mma)
+ABI_VERSION = 13  # fdl_ops_abi_version() of the sources this module speaks to (7: MoE ops; 8: fdl_add_; 9: FP8 KV;
+#                  10: fdl_memcpy_h2d_many_pinned; 11: attn_mma 0 / 1 / 2; 12: decode_mma; 13: moe_experts' shared)
 
 
 def load(path: str | None = None) -> str:
@@ -569,11 +569,13 @@ def moe_align(ids, num_experts: int, block_m: int = 0):
     return tuple(_run("fdl_moe_align", ids, int(num_experts), int(block_m)))
 
 
-def moe_experts(x, ids, weights, w13, w2, block_m: int = 0):
+def moe_experts(x, ids, weights, w13, w2, block_m: int = 0, shared=None):
     """The routed experts: out [T, H] = sum over j of weights[t, j] * expert ids[t, j]'s SwiGLU MLP of x[t].
     x [T, H]; ids [T, k] int32, weights [T, k] float32 (`moe_route`); w13 [E, 2I, H] (each expert's gate rows
     then up rows) and w2 [E, H, I]: [E, out, in], x's dtype; H and I multiples of 8. block_m: the GEMMs' M tile
-    (`MOE_BLOCK_M`; side-by-side measurements and checks force one). See ops_moe.cu."""
+    (`MOE_BLOCK_M`; side-by-side measurements and checks force one). shared: None, or [T, H] in x's dtype added
+    to the fp32 sum before its one rounding (the shared experts' output, with no add pass of its own). See
+    ops_moe.cu."""
     _check(x, "x", FLOAT_DTYPES, ndim=2)
     _check(ids, "ids", ("int32",), ndim=2)
     _check(weights, "weights", ("float32",), ndim=2)
@@ -592,7 +594,12 @@ def moe_experts(x, ids, weights, w13, w2, block_m: int = 0):
             raise GpuOpsError(f"moe_experts: the hidden size ({h}) and expert width ({i2 // 2}) must be multiples of 8")
         if not 1 <= e <= MOE_MAX_EXPERTS:
             raise GpuOpsError(f"moe_experts: at most {MOE_MAX_EXPERTS} experts, got {e}")
-    return _run("fdl_moe_experts", x, ids, weights, w13, w2, int(block_m))[0]
+    has_shared = shared is not None
+    if has_shared:
+        _check(shared, "shared", (_dtype(x),), ndim=2)
+        if _checks and list(shared.shape) != list(x.shape):
+            raise GpuOpsError(f"moe_experts: shared is {list(shared.shape)}, want x's shape {list(x.shape)}")
+    return _run("fdl_moe_experts", x, ids, weights, w13, w2, shared if has_shared else x, int(block_m), has_shared)[0]
 
 
 def to_host(x) -> np.ndarray:

@@ -25,8 +25,9 @@ dense MLP's, so each rank returns a partial sum; expert parallelism, whole exper
 
 GPU (`forward_gpu`): fdlite's own kernels only (Paddle's built-in kernels do nothing on the lent Hoppers):
 the gate through `Linear`, then `gpu.moe_route` (fp32 softmax, top-k, weights) and `gpu.moe_experts`
-(tokens sorted by expert on the device, two grouped GEMMs, the weighted sum per token). No host read: the
-step is one CUDA graph whatever the routing, and `last_counts` / `balanced_counts` stay None on the GPU.
+(tokens sorted by expert on the device, two grouped GEMMs, the weighted sum per token, plus the model's
+`shared` addend when it passes one). No host read: the step is one CUDA graph whatever the routing, and
+`last_counts` / `balanced_counts` stay None on the GPU.
 
 `balanced_routing()`: the startup profiling run routes tokens round-robin to every expert (on the GPU too:
 the route kernel's `balanced` mode), so the memory peak it measures is that of all experts active (a dummy batch of one token id would otherwise
@@ -130,9 +131,10 @@ class FusedMoE(CustomOp):
         y = paddle.gather(y, paddle.argsort(order))
         return y.reshape([t, k, -1]).sum(axis=1)
 
-    def forward_gpu(self, x: paddle.Tensor) -> paddle.Tensor:
+    def forward_gpu(self, x: paddle.Tensor, shared: paddle.Tensor | None = None) -> paddle.Tensor:
+        """shared: None, or [T, hidden] added into the per-token sum before its rounding (`MoEBlock`)."""
         h = gpu_ops.cast(x, self.gate_dtype) if self._cast_for_gate else x
         logits = self.gate(h)  # [T, E] in the gate's dtype, widened to fp32 inside the route kernel
         ids, weights = gpu_ops.moe_route(logits, self.top_k, self.renormalize, self.norm_min,
                                          self.e_score_correction_bias, balanced=_BALANCED["on"])
-        return gpu_ops.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+        return gpu_ops.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, shared=shared)

@@ -10,7 +10,8 @@ float32) and Qwen3-MoE (`num_experts`, `num_experts_per_tok`, `norm_topk_prob`, 
 `MoEBlock` computes the routed experts (`fdlite/layers/moe.py`, one partial sum per rank), all-reduces it, and
 adds the shared experts (a dense MLP of `moe_intermediate_size * moe_num_shared_experts`, whose
 row-parallel down projection does its own all-reduce): two all-reduces per MoE layer under tensor
-parallelism.
+parallelism. On the GPU with one rank the shared experts run first and their output goes into the routed
+experts' per-token sum (`gpu.moe_experts`' `shared`), which saves an add pass over [T, hidden].
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class MoEBlock(nn.Layer):
         self.on_gpu = platform.is_gpu()  # decided once, as CustomOp does
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        # Folded only with one rank: under tensor parallelism the routed partial sums are reduced before the shared
+        # output (reduced already) may be added.
+        if self.on_gpu and self.tp_size == 1 and self.shared_experts is not None:
+            return self.experts(x, shared=self.shared_experts(x))
         y = self.experts(x)
         if self.tp_size > 1:
             y = tensor_parallel_all_reduce(y)

@@ -87,18 +87,24 @@ def checks(h) -> None:
         for bm in (0, 16, 64, 128):
             for kind in ("random", "uneven", "one", "idle"):
                 check(f"moe_align T={T} E={E} k={k} block_m={bm} routing={kind}", t_align(T, E, k, bm, kind))
+    for T, E, k in ((300, 1024, 8), (65536, 128, 8)):  # the most experts; 1024 chunks (32 per prefix warp)
+        for bm in (16, 128):
+            check(f"moe_align T={T} E={E} k={k} block_m={bm} routing=uneven", t_align(T, E, k, bm, "uneven"))
 
-    def t_experts(T, E, k, H, I, dt, kind, bm=0):
+    def t_experts(T, E, k, H, I, dt, kind, bm=0, shared=False):
         def f():
             ids = routing(kind, T, E, k, rng)
             w = rng.random((T, k)).astype(np.float32)
             x = q(rng.standard_normal((T, H)), dt)
             w13 = q(rng.standard_normal((E, 2 * I, H)) / math.sqrt(H), dt)
             w2 = q(rng.standard_normal((E, H, I)) / math.sqrt(I), dt)
-            out = G.moe_experts(to_gpu(x, dt), to_gpu(ids, "int32"), to_gpu(w, "float32"), to_gpu(w13, dt), to_gpu(w2, dt), bm)
+            sh = q(rng.standard_normal((T, H)), dt) if shared else None
+            out = G.moe_experts(to_gpu(x, dt), to_gpu(ids, "int32"), to_gpu(w, "float32"), to_gpu(w13, dt), to_gpu(w2, dt), bm,
+                                shared=None if sh is None else to_gpu(sh, dt))
             sync()
             got = to_np(out)
-            want = ref.experts(x, ids, w, w13, w2, rnd=(lambda a: a) if dt == "float32" else (lambda a: q(a, dt).astype(np.float64)))
+            want = ref.experts(x, ids, w, w13, w2, rnd=(lambda a: a) if dt == "float32" else (lambda a: q(a, dt).astype(np.float64)),
+                               shared=None if sh is None else sh.astype(np.float64))
             err = relerr(got, want)
             tol = h.TOL[dt] * (1 if dt == "float32" else 2)
             return err <= tol, err, tol, f"BM={bm or auto_block_m(T * k, E, dt)}"
@@ -116,6 +122,11 @@ def checks(h) -> None:
         for bm in (16, 64):
             check(f"moe_experts {dt} forced block_m={bm} T=300 E=8 k=2 routing=one", t_experts(300, 8, 2, 64, 32, dt, "one", bm))
         check(f"moe_experts {dt} Qwen3-30B-A3B widths T=33 (2048/768, E=16, k=8)", t_experts(33, 16, 8, 2048, 768, dt, "random"))
+        # the shared experts' output added before the one rounding: out = rnd(sum_j y + shared)
+        for T, E, k, H, I, kind in ((1, 8, 2, 256, 128, "random"), (300, 64, 6, 256, 128, "idle"),
+                                     (200, 8, 6, 2560, 1536, "uneven")):
+            check(f"moe_experts {dt} + shared T={T} E={E} k={k} H={H} I={I} routing={kind}",
+                  t_experts(T, E, k, H, I, dt, kind, shared=True))
         if dt != "float32" and h.WGMMA:  # the wgmma kernels (128-row tiles, the default here) on more shapes
             for T, E, k, H, I, kind in ((1, 8, 2, 256, 128, "random"), (29, 8, 2, 136, 40, "uneven"),
                                          (300, 8, 2, 64, 32, "one"), (1000, 64, 8, 256, 128, "idle"),

@@ -8,7 +8,9 @@
 //   2. gate/up GEMM per M tile with SiLU-and-multiply in its epilogue -> act [rows, I];
 //   3. down GEMM per M tile, the choice's router weight applied in its epilogue -> y [T k, H], each choice
 //      at its own row t k + j;
-//   4. un-permute: out[t] = sum of y[t k + j] over j = 0 .. k - 1 in that order, in fp32, rounded once.
+//   4. un-permute: out[t] = sum of y[t k + j] over j = 0 .. k - 1 in that order (+ shared[t], an optional
+//      addend: ERNIE's shared experts, folded in here rather than added by a pass of its own), in fp32, rounded
+//      once.
 // bf16 / fp16 run the GEMMs on tensor cores: Hopper wgmma with 128 x 256 tiles where the GPU runs sm_90a code
 // (moe_gemm_wgmma.cuh), mma.sync elsewhere (moe_gemm_mma.cuh); fp32 on CUDA cores in true fp32 (moe_gemm_fma.cuh).
 //
@@ -36,10 +38,11 @@ namespace {
 
 inline int moe_block_m(int64_t n, int64_t E) { return n <= 16 * E ? 16 : 64; }
 
-// out[t, :] = sum_j y[t k + j, :] (choices whose id is outside [0, E) skipped), fp32 sum in order of j.
+// out[t, :] = sum_j y[t k + j, :] (choices whose id is outside [0, E) skipped), fp32 sum in order of j, then
+// + shared[t, :] when shared is not null; rounded once.
 template <typename T, int VEC>
-__global__ void moe_sum_kernel(T* __restrict__ out, const T* __restrict__ y, const int* __restrict__ ids, int64_t tokens,
-                               int k, int hidden, int E) {
+__global__ void moe_sum_kernel(T* __restrict__ out, const T* __restrict__ y, const T* __restrict__ shared,
+                               const int* __restrict__ ids, int64_t tokens, int k, int hidden, int E) {
   pdl_trigger();
   pdl_wait();
   using V = Vec<T, VEC>;
@@ -55,6 +58,11 @@ __global__ void moe_sum_kernel(T* __restrict__ out, const T* __restrict__ y, con
       const int64_t row = t * k + j;
       if ((unsigned)ids[row] >= (unsigned)E) continue;
       const V v = reinterpret_cast<const V*>(y + row * hidden)[c];
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) acc[q] += to_f<T>(v.v[q]);
+    }
+    if (shared) {
+      const V v = reinterpret_cast<const V*>(shared + t * hidden)[c];
 #pragma unroll
       for (int q = 0; q < VEC; ++q) acc[q] += to_f<T>(v.v[q]);
     }
@@ -168,11 +176,13 @@ PD_BUILD_OP(fdl_moe_align)
     .Attrs({"num_experts: int", "block_m: int"})
     .SetKernelFn(PD_KERNEL(MoeAlignOp));
 
-// fdl_moe_experts(x [T, H], ids [T, k] int32, weights [T, k] float32, w13 [E, 2I, H], w2 [E, H, I], block_m)
-// -> out [T, H] in x's dtype (float32 / float16 / bfloat16; the weights the same dtype). Expert weights are
+// fdl_moe_experts(x [T, H], ids [T, k] int32, weights [T, k] float32, w13 [E, 2I, H], w2 [E, H, I], shared [T, H]
+// (read when has_shared; any GPU tensor otherwise), block_m, has_shared) -> out [T, H] in x's dtype (float32 /
+// float16 / bfloat16; the weights and shared the same dtype), + shared before the rounding. Expert weights are
 // [E, out, in]: w13[e] holds the gate rows then the up rows. H and I multiples of 8.
 std::vector<paddle::Tensor> MoeExperts(const paddle::Tensor& x, const paddle::Tensor& ids, const paddle::Tensor& weights,
-                                       const paddle::Tensor& w13, const paddle::Tensor& w2, int block_m) {
+                                       const paddle::Tensor& w13, const paddle::Tensor& w2,
+                                       const paddle::Tensor& shared, int block_m, bool has_shared) {
   const char* op = "fdl_moe_experts";
   check_gpu(x, op, "x");
   check_ids(ids, op);
@@ -192,6 +202,11 @@ std::vector<paddle::Tensor> MoeExperts(const paddle::Tensor& x, const paddle::Te
   PD_CHECK(E >= 1 && E <= kMaxExperts, op, ": at most 1024 experts");
   PD_CHECK(aligned16(x.data()) && aligned16(w13.data()) && aligned16(w2.data()), op,
            ": x, w13 and w2 must be 16-byte aligned");
+  if (has_shared) {
+    check_gpu(shared, op, "shared");
+    PD_CHECK(shared.dtype() == x.dtype() && shared.shape() == x.shape(), op, ": shared must be [T, H] in x's dtype");
+    PD_CHECK(aligned16(shared.data()), op, ": shared must be 16-byte aligned");
+  }
   const int64_t n = T * k;
   PD_CHECK(n + E * 128 < ((int64_t)1 << 31) && (n + E * 128) * std::max(H, I) < ((int64_t)1 << 40), op,
            ": too many tokens");
@@ -220,14 +235,15 @@ std::vector<paddle::Tensor> MoeExperts(const paddle::Tensor& x, const paddle::Te
     const int threads = 256;
     const int64_t blocks = std::min<int64_t>(ceil_div(T * (H / V16), threads), (int64_t)num_sms() * 8);
     launch("moe_sum_kernel", moe_sum_kernel<T_, V16>, (unsigned)blocks, threads, 0, s, pdl, static_cast<T_*>(out.data()),
-           static_cast<const T_*>(y.data()), idp, T, (int)k, (int)H, (int)E);
+           static_cast<const T_*>(y.data()), has_shared ? static_cast<const T_*>(shared.data()) : nullptr, idp, T,
+           (int)k, (int)H, (int)E);
   });
   FDL_CHECK_LAUNCH(op);
   return {out};
 }
 
 PD_BUILD_OP(fdl_moe_experts)
-    .Inputs({"X", "Ids", "Weights", "W13", "W2"})
+    .Inputs({"X", "Ids", "Weights", "W13", "W2", "Shared"})
     .Outputs({"Out"})
-    .Attrs({"block_m: int"})
+    .Attrs({"block_m: int", "has_shared: bool"})
     .SetKernelFn(PD_KERNEL(MoeExperts));
