@@ -99,12 +99,12 @@ def checks(h) -> None:
             w13 = q(rng.standard_normal((E, 2 * I, H)) / math.sqrt(H), dt)
             w2 = q(rng.standard_normal((E, H, I)) / math.sqrt(I), dt)
             sh = q(rng.standard_normal((T, H)), dt) if shared else None
-            out = G.moe_experts(to_gpu(x, dt), to_gpu(ids, "int32"), to_gpu(w, "float32"), to_gpu(w13, dt), to_gpu(w2, dt), bm,
-                                shared=None if sh is None else to_gpu(sh, dt))
+            out = G.moe_experts(to_gpu(x, dt), to_gpu(ids, "int32"), to_gpu(w, "float32"), to_gpu(w13, dt),
+                                to_gpu(w2, dt), bm, shared=None if sh is None else to_gpu(sh, dt))
             sync()
             got = to_np(out)
-            want = ref.experts(x, ids, w, w13, w2, rnd=(lambda a: a) if dt == "float32" else (lambda a: q(a, dt).astype(np.float64)),
-                               shared=None if sh is None else sh.astype(np.float64))
+            rnd = (lambda a: a) if dt == "float32" else (lambda a: q(a, dt).astype(np.float64))
+            want = ref.experts(x, ids, w, w13, w2, rnd=rnd, shared=None if sh is None else sh.astype(np.float64))
             err = relerr(got, want)
             tol = h.TOL[dt] * (1 if dt == "float32" else 2)
             return err <= tol, err, tol, f"BM={bm or auto_block_m(T * k, E, dt)}"

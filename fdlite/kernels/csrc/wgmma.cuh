@@ -56,13 +56,14 @@ __device__ __forceinline__ void named_bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// TMA: the box at (column x, row y) of the 2D tensor `map` describes into shared memory at `dst` (128-byte
-// swizzled, 1024-aligned: the layout sw128 gives), completing its bytes on mbarrier `bar`. Out-of-range parts of
-// the box read as zeros.
+// TMA: the box at (column x, row y) of the 2D tensor that `map` describes, copied into shared memory at `dst`
+// (128-byte swizzled, 1024-aligned: the layout sw128 gives), its bytes completing on mbarrier `bar`. Out-of-range
+// parts of the box read as zeros.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
-          "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
 
