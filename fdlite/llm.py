@@ -136,7 +136,7 @@ class LLM:
         self.startup_report: dict[str, Any] = {f"{k}_s": v for k, v in self.phases.durations.items()}
         self.startup_report.update(
             total_block_num=num_blocks, kv_token_capacity=num_blocks * self.config.block_size,
-            bytes_per_block=self.runner.bytes_per_block,
+            bytes_per_block=self.runner.bytes_per_block, kv_sizing=self.runner.kv_sizing,
             cudagraph_sizes=sorted(self.runner.graph_runner.graphs) if self.runner.graph_runner else [],
             cudagraph_mixed_sizes=(sorted(self.runner.mixed_graph_runner.graphs) if self.runner.mixed_graph_runner
                                    else []),

@@ -684,6 +684,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "kv-sizing-report-peak-not-activations",
+        "The startup report's KV sizing shows the profile's whole peak (weights included) as the activation peak",
+        (Edit("fdlite/kvcache/sizing.py",
+              '"activation_peak_GiB": round((profile.peak_during - profile.allocated_before) / gib, 3),',
+              '"activation_peak_GiB": round(profile.peak_during / gib, 3),  # MUTATION'),),
+        ("tests/test_kv_sizing.py::test_sizing_report_gives_the_formula_s_terms",),
+        "new",
+    ),
+    Mutation(
         "moe-experts-wrapper-drops-shared",
         "gpu.moe_experts never tells the kernel it has a shared addend (has_shared always false)",
         (Edit("fdlite/kernels/gpu.py",

@@ -55,5 +55,16 @@ def kv_cache_bytes(profile: MemoryProfile, gpu_memory_utilization: float, graph_
     )
 
 
+def sizing_report(profile: MemoryProfile, gpu_memory_utilization: float, graph_reserve: int,
+                  available: int) -> dict[str, float]:
+    """The numbers behind a measured KV cache's size, in GiB (`LLM.startup_report["kv_sizing"]`): why a model's
+    cache holds what it holds, e.g. how much the CUDA-graph reserve took."""
+    gib = float(1 << 30)
+    return {"total_GiB": round(profile.total / gib, 3), "gpu_memory_utilization": gpu_memory_utilization,
+            "used_after_profile_GiB": round(profile.used_after / gib, 3),
+            "activation_peak_GiB": round((profile.peak_during - profile.allocated_before) / gib, 3),
+            "cudagraph_reserve_GiB": round(graph_reserve / gib, 3), "kv_cache_GiB": round(available / gib, 3)}
+
+
 def num_blocks_for(available_bytes: int, bytes_per_block: int) -> int:
     return max(0, available_bytes // bytes_per_block)

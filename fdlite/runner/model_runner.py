@@ -41,7 +41,7 @@ from fdlite.graph.cuda import graphs_share_pool
 from fdlite.runner.cudagraph_runner import CudaGraphRunner, cudagraph_factory
 from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import translation_count
-from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for
+from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for, sizing_report
 from fdlite.kernels.allreduce import capture_custom_allreduce
 from fdlite.distributed.communicator import Communicator, get_communicator, set_communicator
 from fdlite.runner.dummy_batch import dummy_batch, even_split, small_prefill_lengths
@@ -101,6 +101,7 @@ class ModelRunner:
             max_rows=config.max_num_seqs, max_blocks=blocks_for(config.max_model_len, config.block_size),
             block_size=config.block_size)
         self.kv_cache: KVCache | None = None
+        self.kv_sizing: dict[str, float] | None = None  # the measured sizing's numbers (`_local_num_blocks`)
         self.graph_runner: CudaGraphRunner | None = None  # decode steps, per padded batch size
         self.mixed_graph_runner: CudaGraphRunner | None = None  # steps with prefill tokens, per padded token count
         self.last_sampled: tuple[int | None, object] = (None, None)  # (step id, its sampled ids): `execute`
@@ -215,10 +216,8 @@ class ModelRunner:
         if self.comm.ranks_on_device > 1:  # ranks sharing this GPU split its memory
             profile = dataclasses.replace(profile, total=profile.total // self.comm.ranks_on_device)
         available = kv_cache_bytes(profile, self.config.gpu_memory_utilization, reserve)
-        logger.debug("KV cache sizing: total %.2f GiB x %.2f, in use after profiling %.2f GiB, activation peak %.2f GiB, "
-                    "CUDA-graph reserve %.2f GiB -> %.2f GiB for the cache", profile.total / 2**30,
-                    self.config.gpu_memory_utilization, profile.used_after / 2**30,
-                    (profile.peak_during - profile.allocated_before) / 2**30, reserve / 2**30, available / 2**30)
+        self.kv_sizing = sizing_report(profile, self.config.gpu_memory_utilization, reserve, available)
+        logger.debug("KV cache sizing: %s", self.kv_sizing)
         return num_blocks_for(available, self.bytes_per_block)
 
     def num_blocks_from_budget(self) -> int:

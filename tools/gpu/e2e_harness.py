@@ -28,9 +28,7 @@ Each writes DIR/<section>.json as it goes (a crash keeps what was measured).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import os
 import random
 import sys
@@ -1893,28 +1891,6 @@ def config_only_model(name: str) -> str:
     return path
 
 
-@contextlib.contextmanager
-def sizing_lines():
-    """The engine's "KV cache sizing" debug line(s) (activation peak, CUDA-graph reserve) logged inside the block:
-    why a model's KV cache has the size it has, kept beside the startup numbers."""
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            if record.getMessage().startswith("KV cache sizing"):
-                lines.append(record.getMessage())
-
-    log, handler = logging.getLogger("fdlite"), Keep(logging.DEBUG)
-    level = log.level
-    log.setLevel(logging.DEBUG)
-    log.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-
-
 def section_moe_bench():
     """ERNIE-4.5-21B-A3B and Qwen3-30B-A3B shapes, Qwen3-4B's as the dense comparison and Llama-3.1-8B's (issue 25's
     8B rows), bf16, random weights
@@ -1937,10 +1913,9 @@ def section_moe_bench():
             path = config_only_model(name)
             t = time.time()
             # max_num_batched_tokens 8192 as section_throughput's dense runs, so the numbers compare.
-            with sizing_lines() as sizing:
-                state["llm"] = LLM(path, load_format="dummy", skip_tokenizer_init=True, device=FDL_DEVICE,
-                                   dtype="bfloat16" if FDL_DEVICE == "gpu" else "float32", max_num_seqs=256,
-                                   max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True)
+            state["llm"] = LLM(path, load_format="dummy", skip_tokenizer_init=True, device=FDL_DEVICE,
+                               dtype="bfloat16" if FDL_DEVICE == "gpu" else "float32", max_num_seqs=256,
+                               max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True)
             llm = state["llm"]
             held = sum(int(np.prod(p.shape)) for p in llm.runner.model.parameters())
             out = {"wall_s": round(time.time() - t, 1), "startup": llm.startup_report, "kv_blocks": llm.num_blocks,
@@ -1950,8 +1925,7 @@ def section_moe_bench():
                    "params_active_per_token_B": float(f"{costs.active_params / 1e9:.4g}"),
                    "moe_layers": costs.num_moe_layers, "experts": costs.num_experts, "top_k": costs.top_k,
                    "load_weights_GB_per_s": round(held * (2 if FDL_DEVICE == "gpu" else 4) / 1e9
-                                                    / max(llm.startup_report["load_weights_s"], 1e-9), 2),
-                   "kv_sizing": sizing}
+                                                    / max(llm.startup_report["load_weights_s"], 1e-9), 2)}
             if FDL_DEVICE == "gpu":
                 import paddle  # noqa: PLC0415
 
