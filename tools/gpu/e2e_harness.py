@@ -1344,10 +1344,8 @@ def section_profile():
     cuda = ctypes.CDLL("libcuda.so.1")
     kind = os.environ.get("FDLITE_PROFILE_KIND", "mixed")
     if kind == "prefill":
-        llm = LLM(config_only_model(os.environ.get("FDLITE_PROFILE_MODEL", "ernie45_21b_a3b")), load_format="dummy",
-                  skip_tokenizer_init=True, device=FDL_DEVICE, dtype="bfloat16" if FDL_DEVICE == "gpu" else "float32",
-                  max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=False,
-                  async_scheduling=False)
+        llm = full_size_llm(os.environ.get("FDLITE_PROFILE_MODEL", "ernie45_21b_a3b"), use_cudagraph=False,
+                            async_scheduling=False)
         prompts = prefill_heavy_prompts(32)
         outs = [8] * len(prompts)
     else:
@@ -1891,6 +1889,17 @@ def config_only_model(name: str) -> str:
     return path
 
 
+def full_size_llm(name: str, **options):
+    """An engine on `name`'s shape (MOE_BENCH_SHAPES) with random weights, as section_moe_bench measures it (bf16 on
+    the GPU, 256 rows, 2,048-token context, 8,192-token steps); `options` on top (the profile section's eager runs)."""
+    from fdlite import LLM  # noqa: PLC0415
+
+    return LLM(config_only_model(name), **{
+        "load_format": "dummy", "skip_tokenizer_init": True, "device": FDL_DEVICE,
+        "dtype": "bfloat16" if FDL_DEVICE == "gpu" else "float32", "max_num_seqs": 256, "max_model_len": 2048,
+        "max_num_batched_tokens": 8192, **options})
+
+
 def section_moe_bench():
     """ERNIE-4.5-21B-A3B and Qwen3-30B-A3B shapes, Qwen3-4B's as the dense comparison and Llama-3.1-8B's (issue 25's
     8B rows), bf16, random weights
@@ -1901,7 +1910,7 @@ def section_moe_bench():
     shapes whose name holds one of them (each full-size model is minutes of device time)."""
     import gc  # noqa: PLC0415
 
-    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+    from fdlite import SamplingParams  # noqa: PLC0415
     from moe_roofline import ModelCosts, StepLog, job_roofline  # noqa: PLC0415
 
     names = [n for n in MOE_BENCH_SHAPES if not ARGS.cases or any(w in n for w in ARGS.cases.split(","))]
@@ -1910,12 +1919,9 @@ def section_moe_bench():
         costs = ModelCosts.from_dir(config_only_model(name))
 
         def startup(name=name, costs=costs):
-            path = config_only_model(name)
             t = time.time()
             # max_num_batched_tokens 8192 as section_throughput's dense runs, so the numbers compare.
-            state["llm"] = LLM(path, load_format="dummy", skip_tokenizer_init=True, device=FDL_DEVICE,
-                               dtype="bfloat16" if FDL_DEVICE == "gpu" else "float32", max_num_seqs=256,
-                               max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True)
+            state["llm"] = full_size_llm(name, use_cudagraph=True)
             llm = state["llm"]
             held = sum(int(np.prod(p.shape)) for p in llm.runner.model.parameters())
             out = {"wall_s": round(time.time() - t, 1), "startup": llm.startup_report, "kv_blocks": llm.num_blocks,
