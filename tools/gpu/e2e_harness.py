@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("section", choices=["parity", "graphs", "hf_bench", "throughput", "latency", "diag", "breakdown", "sampling", "churn",
-                                    "sampling_checks", "memory", "profile", "moe", "fp8", "moe_bench", "tp", "tp_rank"])
+                                    "sampling_checks", "memory", "profile", "step_times", "moe", "fp8", "moe_bench", "tp",
+                                    "tp_rank"])
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "fdl_e2e_out"))
 ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "fdl_e2e_models"))
 ap.add_argument("--quick", action="store_true")
@@ -53,6 +54,7 @@ ap.add_argument("--families", default="qwen2,qwen3,llama", help="fp32 parity fam
 ap.add_argument("--skip-bf16", action="store_true")
 ap.add_argument("--cases", default="", help="sampling, moe_bench: only the cases (moe_bench: shapes) whose name holds one "
                                             "of these comma-separated words")
+ap.add_argument("--jobs", default="protocol,prefill_heavy", help="moe_bench: the jobs run on each shape")
 ARGS = ap.parse_args()
 os.makedirs(ARGS.out, exist_ok=True)
 RES: dict = {"section": ARGS.section, "results": {}, "errors": []}
@@ -1900,6 +1902,61 @@ def full_size_llm(name: str, **options):
         "max_num_batched_tokens": 8192, **options})
 
 
+def section_step_times():
+    """Where a job's wall time goes, without a profiler (the lent machines have none that sees inside graphs): the
+    prefill-heavy job on a full-size shape (FDLITE_PROFILE_MODEL, a MOE_BENCH_SHAPES name) with graphs, run twice:
+    async scheduling (the default: its generate wall time), then synchronous with each `ModelRunner.execute`
+    bracketed by device syncs, so its time is the step's GPU time plus the host work that issues it. Their
+    difference is host time the GPU waits for; the per-kind step times say which steps cost what."""
+    import ctypes  # noqa: PLC0415
+    import gc  # noqa: PLC0415
+
+    from fdlite import SamplingParams  # noqa: PLC0415
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    name = os.environ.get("FDLITE_PROFILE_MODEL", "qwen3_30b_a3b")
+    prompts = [{"prompt_token_ids": p} for p in prefill_heavy_prompts(256)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def job(async_scheduling: bool):
+        llm = full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling)
+        runner, inner, steps = llm.runner, llm.runner.execute, []
+
+        def timed(step):
+            cuda.cuCtxSynchronize()
+            t = time.perf_counter()
+            out = inner(step)
+            cuda.cuCtxSynchronize()
+            steps.append((step.flat.num_tokens, step.flat.num_decodes, time.perf_counter() - t))
+            return out
+
+        if not async_scheduling:
+            runner.execute = timed
+        try:
+            llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+            steps.clear()
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t
+        finally:
+            runner.execute = inner
+            llm.close()
+            gc.collect()
+        out = {"generate_s": round(wall, 3)}
+        if steps:
+            big = [s for s in steps if s[0] >= 4096]
+            small = [s for s in steps if s[0] < 4096]
+            out.update({"execute_s": round(sum(s[2] for s in steps), 3), "steps": len(steps),
+                        "large_steps": {"n": len(big), "ms_mean": round(1e3 * np.mean([s[2] for s in big]), 2),
+                                        "ms_min": round(1e3 * min(s[2] for s in big), 2),
+                                        "ms_max": round(1e3 * max(s[2] for s in big), 2)} if big else None,
+                        "small_steps": [[s[0], s[1], round(1e3 * s[2], 2)] for s in small]})
+        return out
+
+    run(f"async_{name}", lambda: job(True))
+    run(f"sync_timed_{name}", lambda: job(False))
+
+
 def section_moe_bench():
     """ERNIE-4.5-21B-A3B and Qwen3-30B-A3B shapes, Qwen3-4B's as the dense comparison and Llama-3.1-8B's (issue 25's
     8B rows), bf16, random weights
@@ -1975,8 +2032,9 @@ def section_moe_bench():
 
         run(f"startup_{name}", startup)
         if "llm" in state:
-            run(f"protocol_{name}", protocol_case)
-            run(f"prefill_heavy_{name}", prefill_case)
+            for job, case in (("protocol", protocol_case), ("prefill_heavy", prefill_case)):
+                if job in ARGS.jobs.split(","):
+                    run(f"{job}_{name}", case)
             state.pop("llm").close()  # one full-size model on the device at a time
             gc.collect()
 
@@ -1985,7 +2043,7 @@ if __name__ == "__main__":
     {"parity": section_parity, "graphs": section_graphs, "hf_bench": section_hf_bench,
      "throughput": section_throughput, "latency": section_latency, "diag": section_diag, "breakdown": section_breakdown,
      "sampling": section_sampling, "sampling_checks": section_sampling_checks, "churn": section_churn, "memory": section_memory,
-     "profile": section_profile, "moe": section_moe, "fp8": section_fp8,
+     "profile": section_profile, "step_times": section_step_times, "moe": section_moe, "fp8": section_fp8,
      "moe_bench": section_moe_bench, "tp": section_tp, "tp_rank": section_tp_rank}[ARGS.section]()
     RES["total_s"] = round(time.time() - T0, 1)
     save()

@@ -824,6 +824,20 @@ check("paged_attention padding tokens past the rows: zeros (prefill rows only)",
       t_attn_tail([(100, 100), (37, 300)], 64))
 check("paged_attention decode-only graph attrs (max_q_len=1) + scratch-block padded rows",
       t_attn([(1, 100), (1, 1), (1, 1)], max_q_len=1, scratch_rows=(1, 2)))
+# Steps with prefill rows take the per-token kernels' compact grid: one-token rows only (rows of 2-4 tokens go to the
+# tile kernel), the leading ones split by a count the blocks derive from how many there are, later ones unsplit
+long_decodes = [(1, c) for c in (1500, 900, 2040, 64, 65, 1, 300, 1999, 1024, 700)]
+check("paged_attention compact grid: 10 long decode rows split + prefill rows + 50 empty rows + padding tokens "
+      "(a mixed graph's layout), 32/4 heads",
+      t_attn_tail(long_decodes + [(300, 500), (129, 129)] + [(0, 0)] * 50, 5, h=32, kvh=4))
+check("paged_attention compact grid: one-token rows after a prefill row (unsplit) and a 4-token row",
+      t_attn([(1, 2000), (50, 150), (1, 900), (1, 5), (4, 4), (1, 1), (2, 300)]))
+check("paged_attention compact grid: 150 leading decode rows (no split) + a prefill row",
+      t_attn([(1, 300 + 7 * i) for i in range(150)] + [(200, 200)]))
+check("paged_attention compact grid, CUDA-core decode kernel: long decode rows split + prefill, 32/4 heads",
+      with_options(t_attn(long_decodes + [(300, 500)], h=32, kvh=4), decode_mma=False))
+check("paged_attention compact grid, forced splits=7: long decode rows + prefill + empty rows",
+      t_attn(long_decodes + [(300, 500)] + [(0, 0)] * 9, h=32, kvh=4, splits=7))
 check("paged_attention bs16 d64 14/2 heads (g=7) mixed bf16", t_attn(mixed_rows, h=14, kvh=2, d=64, bs=16))
 check("paged_attention d256 8/1 heads (g=8) mixed fp32", t_attn(mixed_rows[:5], h=8, kvh=1, d=256, bs=32, dt="float32"))
 check("paged_attention MHA (g=1) d128 decode+prefill fp16", t_attn([(1, 90), (20, 80)], h=4, kvh=4, dt="float16"))
@@ -883,6 +897,8 @@ for dt in ("bfloat16", "float16"):
     check(f"paged_attention_fp8 tensor-core tiles {dt} d128 bs64 32/4 heads", t_attn_fp8(mma_rows, h=32, kvh=4, dt=dt))
 check("paged_attention_fp8 decode splits=5 bf16", t_attn_fp8(decode_rows, splits=5))
 check("paged_attention_fp8 mixed splits=3 max_q_len=64 bf16", t_attn_fp8(mixed_rows, splits=3, max_q_len=64))
+check("paged_attention_fp8 compact grid: long decode rows split + prefill + empty rows, 32/4 heads",
+      t_attn_fp8(long_decodes + [(300, 500)] + [(0, 0)] * 20, h=32, kvh=4))
 
 
 def t_attn_row_invariance(dt="bfloat16", d=128, h=16, kvh=8):
@@ -1534,7 +1550,33 @@ if not ARGS.no_bench:
                 "fused_add_rms_norm_ eager wall us/call": round(eager_us(lambda: G.fused_add_rms_norm_(x, r, w, 1e-6)), 1),
                 "rms_norm graph replay us/call": round(graph_time_us(lambda: G.rms_norm(x, w, 1e-6), 200, 5), 2)}
 
+    def bench_attn_mixed():
+        """The op in a mixed step as its graph runs it (rows padded to max_num_seqs = 256 with empty rows, max_q_len 0):
+        a few long decode rows beside 8k prefill tokens (the MoE prefill-heavy job's steps), and a churn job's step
+        (200 decode rows + one prompt); each also without its decode rows, so the difference is what they cost."""
+        out = []
+        dec10 = [(1, 1100 + 94 * i) for i in range(10)]
+        cases = [("Qwen3-30B-A3B layer, 10 decodes + 8k prefill", 32, 4, dec10, [(2045, 2045)] * 4),
+                 ("Llama-3.1-8B layer, 10 decodes + 8k prefill", 32, 8, dec10, [(2045, 2045)] * 4),
+                 ("Qwen3-0.6B layer, churn: 200 decodes + a prompt", 16, 8, [(1, 300 + 5 * i) for i in range(200)],
+                  [(600, 600)])]
+        for name, h, kvh, dec, pre in cases:
+            row = {"case": name, "h": h, "kvh": kvh}
+            for key, rows in (("with_decodes", dec + pre), ("prefill_only", pre)):
+                b = Batch(rows + [(0, 0)] * (256 - len(rows)), h, kvh, 128, 64, "bfloat16", extra_blocks=0,
+                          max_blocks=2048 // 64)
+                ins = b.inputs()
+                us = graph_time_us(lambda: G.paged_attention(*ins, 128 ** -0.5, 0, 0), per_graph=5, replays=5)
+                row[key] = {"us": round(us, 1), "T": b.T}
+                del b, ins
+            row["decode_rows_us"] = round(row["with_decodes"]["us"] - row["prefill_only"]["us"], 1)
+            out.append(row)
+            log(f"  mixed-step attn {name}: {row['with_decodes']['us']:9.1f} us, without the decode rows "
+                f"{row['prefill_only']['us']:9.1f} us: the decode rows {row['decode_rows_us']:7.1f} us")
+        return out
+
     benches = (("attention_decode", bench_attn_decode), ("attention_prefill", bench_attn_prefill),
+               ("attention_mixed", bench_attn_mixed),
                ("attention_decode_splits", lambda: bench_attn_decode((64, 128, 192, 256), (0, 1, 2, 3, 4, 5, 6, 8))),
                ("attention_decode_fp8", lambda: bench_attn_decode(fp8=True)),
                # GQA groups of 2, 4 and 8 query heads per KV head (Qwen3-0.6B, Llama-3.1-8B, Qwen3-30B-A3B layers):

@@ -40,9 +40,10 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
   using L = Layout<T, D>;
   using C = DecodeMma<T, D>;
   constexpr int NTD = D / 8;  // 8-column tiles of O
-  const int j = blockIdx.y, s = blockIdx.z, g = a.g;
-  int t, r, k0, k1;
-  if (!decode_block_start<T, D>(a, t, r, k0, k1)) return;  // no decode token in this slot
+  const int j = blockIdx.y, g = a.g;
+  DecodeItem job;
+  if (!decode_block_start<T, D>(a, job)) return;  // no decode token in this slot
+  const int t = job.t, r = job.r, k0 = job.k0, k1 = job.k1;
 
   extern __shared__ float4 smem4[];
   uint8_t* sm = reinterpret_cast<uint8_t*>(smem4);
@@ -175,15 +176,15 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
       o1 += v.y * wt;
     }
     const int64_t head = (int64_t)j * g + hh;
-    if (a.splits == 1) {
+    if (job.n == 1) {
       const float inv = l > 0.f ? 1.f / l : 0.f;
       *reinterpret_cast<uint32_t*>(static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2) = pack2<T>(o0 * inv, o1 * inv);
     } else {
-      decode_write_partial<D>(a, s, t, head, dp, o0, o1, M, l);
+      decode_write_partial<D>(a, job, head, dp, o0, o1, M, l);
     }
   }
-  if (a.splits == 1) return;
-  decode_merge_splits<T, D>(a, t, partial_row(a, t), j, reinterpret_cast<float*>(sm + C::KV_OFF));
+  if (job.n == 1) return;
+  decode_merge_splits<T, D>(a, job, j, reinterpret_cast<float*>(sm + C::KV_OFF));
 }
 
 }  // namespace

@@ -18,14 +18,17 @@
 // Two kernels, both always launched with grids that depend only on shapes and attributes (so a
 // captured graph replays for any batch content):
 //  - per-token ("decode") kernel, grid (B x qpr, kvh, splits): tokens of rows with q_len <= 4, qpr
-//    (the caller's bound on q_len, else 4) token slots per row, so a prefill step launches a few blocks per row
-//    rather than one per token (each of which had to find its row and exit: the op took 441 us on a
-//    Llama-3.1-8B layer's 8k prefill tokens against 359 for the tile kernel alone, measured); the padding
-//    tokens past the rows get zeros from these blocks too. One block holds the h / kvh query heads of one KV
-//    head, so each K/V byte is read once per KV head; long contexts are split across blocks, and the last block
-//    of each (token, KV head) to finish merges the splits (a self-resetting counter: no second kernel to launch
-//    and wait for). bf16 / fp16 at head_dim 64 / 128 over model-dtype caches compute on tensor cores
-//    (attention_decode_mma.cuh), the rest on CUDA cores (attn_decode_kernel below).
+//    (the caller's bound on q_len) token slots per row; the padding tokens past the rows get zeros from these
+//    blocks too. A step that launches the tile kernel (prefill rows) takes a compact grid instead, (B + room,
+//    kvh, 1): one-token rows only (the tile kernel takes rows of 2+), the leading ones (decodes come first) split
+//    by a count the blocks derive from how many there are (`decode_item`), so a graph padded to max_num_seqs rows
+//    splits its few real decode rows as an eager step would; and a block per row, not per token (one block per
+//    token, each finding its row and exiting, had cost the op 80 us of a Llama-3.1-8B layer's 8k-token step).
+//    One block holds the h / kvh query heads of one KV head, so each K/V byte is read once per KV head; long
+//    contexts are split across blocks, and the last block of each (token, KV head) to finish merges the splits
+//    (a self-resetting counter: no second kernel to launch and wait for). bf16 / fp16 at head_dim 64 / 128 over
+//    model-dtype caches compute on tensor cores (attention_decode_mma.cuh), the rest on CUDA cores
+//    (attn_decode_kernel below).
 //  - tile ("prefill") kernel, grid (ceil(T / tile_tokens), kvh): each block takes a fixed slice of
 //    the flat token axis and works through the row segments inside it (rows with q_len > 4): query
 //    rows (token x head) against chunks of keys, so K/V are read once per tile, not per token. bf16 /
@@ -62,15 +65,23 @@ struct Args {
   const int* seq_lens;
   const int* cu;
   void* out;
-  float* part_o;   // [splits, prows, h, d]
-  float2* part_ml; // [splits, prows, h]: running max (log2 units) and sum
+  float* part_o;   // [splits, prows, h, d] (compact: [prows, h, d])
+  float2* part_ml; // [splits, prows, h] (compact: [prows, h]): running max (log2 units) and sum
   int* counters;   // [prows * kvh] finished splits per (partial row, KV head); zero between calls
   int64_t T;
-  int B, max_blocks, h, kvh, g, bs, splits;
+  int B, max_blocks, h, kvh, g, bs;
+  int splits;  // the per-token grid's z (compact: split_cap, for the workspace's size test)
   int qpr;     // token slots per row in the per-token kernels' grid (1..kDecodeMaxQ)
-  int dslots;  // blocks along x of that grid: B qpr, at least 1
+  int dslots;  // blocks along x of that grid: B qpr (compact: B + room for splits), at least 1
+  int qmax;    // rows with q_len <= qmax are the per-token kernels' (kDecodeMaxQ; compact: 1), others the tiles'
+  // Compact grid (steps that launch the tile kernel, whose graphs pad rows to max_num_seqs: the decode rows' count
+  // is known only on the device): block x maps to a split of the step's leading one-token rows (`decode_item`),
+  // their split count chosen from that count, at most split_cap (forced: exactly split_cap), aiming at split_target
+  // blocks.
+  bool compact, forced;
+  int split_cap, split_target;
   // Rows of the split partials and counters: min(T, dslots), indexed by the token or, when fewer, by the slot (a step
-  // with prefill rows: its few decode tokens must not size the workspace by its T)
+  // with prefill rows: its few decode tokens must not size the workspace by its T); compact: dslots, by the block
   int prows;
   float scale_log2;
   const float* ksc;  // FP8 caches: float32 scale per cache row of K and of V (nullptr: model-dtype caches)
@@ -145,23 +156,94 @@ struct ChunkRows {
   }
 };
 
-// What block x of the per-token kernels' grid does in split s: token t, the (x % qpr)-th of row r = x / qpr when r is
-// a decode row (q_len <= kDecodeMaxQ) that has such a token, reading the keys [k0, k1), t's causal range cut into
-// `splits` runs of whole chunks. False: no such token (a slot past the row's tokens, or a prefill row's slot: the
-// tile kernel owns its tokens).
-__device__ __forceinline__ bool decode_split(const Args& a, int x, int s, int& t, int& r, int& k0, int& k1) {
-  r = x / a.qpr;
-  const int i = x - r * a.qpr;
-  if (r >= a.B) return false;
-  const int q0 = a.cu[r], q_len = a.cu[r + 1] - q0;
-  if (q_len > kDecodeMaxQ || i >= q_len) return false;
-  t = q0 + i;
-  const int kv_len = a.seq_lens[r];
-  const int limit = max(0, min(kv_len, kv_len - q_len + i + 1));
-  int per = (limit + a.splits - 1) / a.splits;
+// A per-token block's work: token t of row r, the keys [k0, k1) of its causal range, split s of its n; its split
+// partials sit at rows p0 + i pstep of the partial arrays (Args::prows rows), its merge counter at p0 kvh + j.
+struct DecodeItem {
+  int t, r, k0, k1, s, n;
+  int64_t p0, pstep;
+};
+
+// Where token t's split partials and merge counter sit (Args::prows): its slot in the grid (blockIdx.x) when the step
+// has fewer slots than tokens, else t.
+__device__ __forceinline__ int64_t partial_row(const Args& a, int t) { return a.prows < a.T ? blockIdx.x : t; }
+
+// Keys [k0, k1) of split s of n of a token that may see `limit` keys: runs of whole chunks.
+__device__ __forceinline__ void split_keys(int limit, int s, int n, int& k0, int& k1) {
+  int per = (limit + n - 1) / n;
   per = (per + KC - 1) / KC * KC;
   k0 = min(limit, s * per);
   k1 = min(limit, k0 + per);
+}
+
+// What block x of the per-token kernels' grid does in split s: token t, the (x % qpr)-th of row r = x / qpr when r is
+// a decode row (q_len <= kDecodeMaxQ) that has such a token, its causal range cut into `splits` runs of whole chunks.
+// False: no such token (a slot past the row's tokens, or a prefill row's slot: the tile kernel owns its tokens).
+__device__ __forceinline__ bool decode_split(const Args& a, int x, int s, DecodeItem& w) {
+  w.r = x / a.qpr;
+  const int i = x - w.r * a.qpr;
+  if (w.r >= a.B) return false;
+  const int q0 = a.cu[w.r], q_len = a.cu[w.r + 1] - q0;
+  if (q_len > kDecodeMaxQ || i >= q_len) return false;
+  w.t = q0 + i;
+  const int kv_len = a.seq_lens[w.r];
+  split_keys(max(0, min(kv_len, kv_len - q_len + i + 1)), s, a.splits, w.k0, w.k1);
+  w.s = s;
+  w.n = a.splits;
+  w.p0 = partial_row(a, w.t);
+  w.pstep = a.prows;
+  return true;
+}
+
+// The number of leading rows of one token each (the runner puts decode rows first): rows r < n have cu[r + 1] = r + 1.
+// Block-wide (every thread calls it, uniformly).
+__device__ int leading_decodes(const Args& a) {
+  __shared__ int first;  // the first i in [1, B] with cu[i] != i, B + 1 if none
+  if (threadIdx.x == 0) first = a.B + 1;
+  __syncthreads();
+  for (int base = 1; base <= a.B; base += 4 * NT) {
+    int mine = a.B + 1;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {  // four loads in flight per thread
+      const int i = base + threadIdx.x + u * NT;
+      if (i <= a.B && a.cu[i] != i) mine = min(mine, i);
+    }
+    if (mine <= a.B) atomicMin(&first, mine);
+    __syncthreads();
+    const bool found = first <= a.B;
+    __syncthreads();  // every thread has read `first` before the next round may lower it
+    if (found) break;
+  }
+  return first - 1;
+}
+
+// Compact grid (Args::compact): the step's nf leading one-token rows get S splits each, S from nf (forced: split_cap),
+// and at most 1 + (dslots - B) / nf so that every row still has a block: blocks x < nf S take split x % S of row
+// x / S; block nf S + i takes row nf + i unsplit when that row has one token (a later one-token row: a layout the
+// runner does not make, kept correct). Rows of 2+ tokens are the tile kernel's (qmax = 1). False: nothing here.
+__device__ __forceinline__ bool decode_item(const Args& a, int x, DecodeItem& w) {
+  const int nf = leading_decodes(a);
+  int S = 1;
+  if (nf > 0) {
+    const int work = nf * a.kvh;
+    S = a.forced ? a.split_cap : work >= a.split_target ? 1 : min(a.split_cap, (a.split_target + work - 1) / work);
+    S = max(1, min(S, 1 + (a.dslots - a.B) / nf));
+  }
+  if (x < nf * S) {
+    const int d = x / S;
+    w.t = w.r = d;  // leading rows: row d is token d
+    w.s = x - d * S;
+    w.n = S;
+    w.p0 = (int64_t)d * S;
+  } else {
+    w.r = nf + (x - nf * S);
+    if (w.r >= a.B || a.cu[w.r + 1] - a.cu[w.r] != 1) return false;
+    w.t = a.cu[w.r];
+    w.s = 0;
+    w.n = 1;
+    w.p0 = x;
+  }
+  w.pstep = 1;
+  split_keys(a.seq_lens[w.r], w.s, w.n, w.k0, w.k1);  // one token: every key of its row
   return true;
 }
 
@@ -179,45 +261,43 @@ __device__ __forceinline__ void decode_zero_tail(const Args& a, int x, int j) {
 }
 
 // The start of a per-token block (x = blockIdx.x, j = blockIdx.y, s = blockIdx.z): split 0 writes its share of the
-// padding tokens' zeros, then `decode_split` says which token and keys the block reads (false: none, return).
+// padding tokens' zeros, then `decode_split` (or, compact, `decode_item`) says which token and keys the block reads
+// (false: none, return).
 template <typename T, int D>
-__device__ __forceinline__ bool decode_block_start(const Args& a, int& t, int& r, int& k0, int& k1) {
+__device__ __forceinline__ bool decode_block_start(const Args& a, DecodeItem& w) {
   if (blockIdx.z == 0) decode_zero_tail<T, D>(a, blockIdx.x, blockIdx.y);
-  return decode_split(a, blockIdx.x, blockIdx.z, t, r, k0, k1);
+  return a.compact ? decode_item(a, blockIdx.x, w) : decode_split(a, blockIdx.x, blockIdx.z, w);
 }
 
-// Where token t's split partials and merge counter sit (Args::prows): its slot in the grid (blockIdx.x) when the step
-// has fewer slots than tokens, else t.
-__device__ __forceinline__ int64_t partial_row(const Args& a, int t) { return a.prows < a.T ? blockIdx.x : t; }
-
-// Split s's partial of token t for query head `head`, columns 2 dp and 2 dp + 1: O unnormalized, and with the first
-// pair the row's (max in log2 units, sum), for decode_merge_splits.
+// Split w.s's partial of token w.t for query head `head`, columns 2 dp and 2 dp + 1: O unnormalized, and with the
+// first pair the row's (max in log2 units, sum), for decode_merge_splits.
 template <int D>
-__device__ __forceinline__ void decode_write_partial(const Args& a, int s, int t, int64_t head, int dp, float o0,
+__device__ __forceinline__ void decode_write_partial(const Args& a, const DecodeItem& w, int64_t head, int dp, float o0,
                                                      float o1, float m, float l) {
-  const int64_t base = ((int64_t)s * a.prows + partial_row(a, t)) * a.h + head;
+  const int64_t base = (w.p0 + w.s * w.pstep) * a.h + head;
   *reinterpret_cast<float2*>(a.part_o + base * D + dp * 2) = make_float2(o0, o1);
   if (dp == 0) a.part_ml[base] = make_float2(m, l);
 }
 
-// The last block of (t, j) to get here (p: t's partial row, `partial_row`) merges the splits of the per-token
+// The last block of (w.t, j) to get here merges the w.n splits (partials at rows w.p0 + i w.pstep) of the per-token
 // kernels (attn_decode_kernel, attn_decode_mma_kernel), once each block has written its split's partial (o_s
 // unnormalized, m_s in log2 units, l_s): out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). It also resets the
 // counter for the next call. scratch: at least (MAXG x 64 + MAXG) floats of shared memory the block no longer needs
 // (its K / V buffers).
 template <typename T, int D>
-__device__ void decode_merge_splits(const Args& a, int64_t t, int64_t p, int j, float* scratch) {
+__device__ void decode_merge_splits(const Args& a, const DecodeItem& w, int j, float* scratch) {
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
   const int g = a.g, items = g * D / 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float* w_s = scratch;                 // [g][splits] weights
+  const int ns = w.n;
+  float* w_s = scratch;                 // [g][ns] weights
   float* al_s = scratch + MAXG * 64;    // [g] 1 / sum
   __shared__ int is_last;
   __threadfence();  // this block's partials are visible before the count says so
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* c = a.counters + p * a.kvh + j;
-    is_last = atomicAdd(c, 1) == a.splits - 1;
+    int* c = a.counters + w.p0 * a.kvh + j;
+    is_last = atomicAdd(c, 1) == ns - 1;
     if (is_last) *c = 0;
   }
   __syncthreads();
@@ -229,8 +309,8 @@ __device__ void decode_merge_splits(const Args& a, int64_t t, int64_t p, int j, 
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int sp = lane + 32 * u;
-      const float2 ml = sp < a.splits ? __ldcg(a.part_ml + ((int64_t)sp * a.prows + p) * a.h + head)
-                                      : make_float2(-CUDART_INF_F, 0.f);
+      const float2 ml =
+          sp < ns ? __ldcg(a.part_ml + (w.p0 + sp * w.pstep) * a.h + head) : make_float2(-CUDART_INF_F, 0.f);
       m[u] = ml.x;
       l[u] = ml.y;
     }
@@ -239,9 +319,9 @@ __device__ void decode_merge_splits(const Args& a, int64_t t, int64_t p, int j, 
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int sp = lane + 32 * u;
-      const float w = M == -CUDART_INF_F ? 0.f : exp2f(m[u] - M);  // 0 for empty splits (m = -inf)
-      if (sp < a.splits) w_s[hh * a.splits + sp] = w;
-      L += l[u] * w;
+      const float wt = M == -CUDART_INF_F ? 0.f : exp2f(m[u] - M);  // 0 for empty splits (m = -inf)
+      if (sp < ns) w_s[hh * ns + sp] = wt;
+      L += l[u] * wt;
     }
     L = warp_sum(L);
     if (lane == 0) al_s[hh] = L > 0.f ? 1.f / L : 0.f;
@@ -254,15 +334,15 @@ __device__ void decode_merge_splits(const Args& a, int64_t t, int64_t p, int j, 
       const int hh = it / (D / 2), dp = it - hh * (D / 2);
       const int64_t head = (int64_t)j * g + hh;
       float o0 = 0.f, o1 = 0.f;
-      for (int sp = 0; sp < a.splits; ++sp) {
+      for (int sp = 0; sp < ns; ++sp) {
         const float2 v =
-            __ldcg(reinterpret_cast<const float2*>(a.part_o + (((int64_t)sp * a.prows + p) * a.h + head) * D) + dp);
-        const float w = w_s[hh * a.splits + sp];
-        o0 += v.x * w;
-        o1 += v.y * w;
+            __ldcg(reinterpret_cast<const float2*>(a.part_o + ((w.p0 + sp * w.pstep) * a.h + head) * D) + dp);
+        const float wt = w_s[hh * ns + sp];
+        o0 += v.x * wt;
+        o1 += v.y * wt;
       }
       const float inv = al_s[hh];
-      T* o = static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2;
+      T* o = static_cast<T*>(a.out) + ((int64_t)w.t * a.h + head) * D + dp * 2;
       o[0] = from_f<T>(o0 * inv);
       o[1] = from_f<T>(o1 * inv);
     }
@@ -293,9 +373,10 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
   using L = Layout<C, D>;
   constexpr bool F8 = std::is_same<C, uint8_t>::value;
   constexpr int NI = (MAXG * D / 2 + NT - 1) / NT;  // (head, dim pair) items per thread, at most
-  const int j = blockIdx.y, s = blockIdx.z, g = a.g;
-  int t, r, k0, k1;
-  if (!decode_block_start<T, D>(a, t, r, k0, k1)) return;  // no decode token in this slot
+  const int j = blockIdx.y, g = a.g;
+  DecodeItem job;
+  if (!decode_block_start<T, D>(a, job)) return;  // no decode token in this slot
+  const int t = job.t, r = job.r, k0 = job.k0, k1 = job.k1;
 
   extern __shared__ float4 smem4[];
   float* qs = reinterpret_cast<float*>(smem4);
@@ -412,19 +493,19 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
     if (it < items) {
       const int hh = it / (D / 2), dp = it - hh * (D / 2);
       const int64_t head = (int64_t)j * g + hh;
-      if (a.splits == 1) {
+      if (job.n == 1) {
         const float l = l_s[hh];
         const float inv = l > 0.f ? 1.f / l : 0.f;
         T* o = static_cast<T*>(a.out) + (t * a.h + head) * D + dp * 2;
         o[0] = from_f<T>(acc[n][0] * inv);
         o[1] = from_f<T>(acc[n][1] * inv);
       } else {
-        decode_write_partial<D>(a, s, t, head, dp, acc[n][0], acc[n][1], m_s[hh], l_s[hh]);
+        decode_write_partial<D>(a, job, head, dp, acc[n][0], acc[n][1], m_s[hh], l_s[hh]);
       }
     }
   }
-  if (a.splits == 1) return;
-  decode_merge_splits<T, D>(a, t, partial_row(a, t), j, reinterpret_cast<float*>(kbuf));
+  if (job.n == 1) return;
+  decode_merge_splits<T, D>(a, job, j, reinterpret_cast<float*>(kbuf));
 }
 
 // ------------------------------------------------------------------ tile kernel
@@ -590,7 +671,7 @@ __device__ void tile_segment(const Args& a, float* smem, int r, int64_t ts, int6
 }
 
 // A tile kernel block's work: the tokens [t_begin, t_begin + tile_tokens) of the flat axis (those in the batch),
-// cut at row boundaries; segment(r, t, seg_end) is called for each piece of a prefill row (q_len > kDecodeMaxQ).
+// cut at row boundaries; segment(r, t, seg_end) is called for each piece of a prefill row (q_len > Args::qmax).
 // Uniform across the block: every thread walks the same segments.
 template <typename F>
 __device__ __forceinline__ void for_each_prefill_segment(const Args& a, int64_t t_begin, int tile_tokens, F&& segment) {
@@ -600,7 +681,7 @@ __device__ __forceinline__ void for_each_prefill_segment(const Args& a, int64_t 
   while (t < t_end) {
     const int r = find_row(a.cu, a.B, t);
     const int64_t seg_end = min(t_end, (int64_t)a.cu[r + 1]);
-    if (a.cu[r + 1] - a.cu[r] > kDecodeMaxQ) segment(r, t, seg_end);
+    if (a.cu[r + 1] - a.cu[r] > a.qmax) segment(r, t, seg_end);
     t = seg_end;
   }
 }
@@ -719,18 +800,19 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
   constexpr bool mma = !std::is_same<T, float>::value && (D == 64 || D == 128);
   static_assert(!f8 || mma, "FP8 caches: bf16 / fp16 at head_dim 64 / 128 only");
   constexpr int mma_d = D == 64 ? 64 : 128;
+  const unsigned zsplits = a.compact ? 1u : (unsigned)a.splits;  // compact: a block's split comes from decode_item
   bool decode_done = false;
   if constexpr (kDecodeMmaBuilt<T, C, D>) {
     if (decode_on_mma<T, C, D>()) {
       allow_smem<attn_decode_mma_kernel<T, D>>(DecodeMma<T, D>::bytes);
-      launch("attn_decode_mma_kernel", attn_decode_mma_kernel<T, D>, dim3((unsigned)a.dslots, a.kvh, a.splits), NT,
+      launch("attn_decode_mma_kernel", attn_decode_mma_kernel<T, D>, dim3((unsigned)a.dslots, a.kvh, zsplits), NT,
              DecodeMma<T, D>::bytes, s, pdl_rows(a.T), a);
       decode_done = true;
     }
   }
   if (!decode_done) {
     allow_smem<attn_decode_kernel<T, C, D>>(decode_smem<C, D>(MAXG));
-    launch("attn_decode_kernel", attn_decode_kernel<T, C, D>, dim3((unsigned)a.dslots, a.kvh, a.splits), NT, dsm, s,
+    launch("attn_decode_kernel", attn_decode_kernel<T, C, D>, dim3((unsigned)a.dslots, a.kvh, zsplits), NT, dsm, s,
            pdl_rows(a.T), a);
   }
   if (!tiles) return;
@@ -806,33 +888,53 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   const int B = (int)block_tables.shape()[0], max_blocks = (int)block_tables.shape()[1];
   PD_CHECK(seq_lens.numel() == B && cu_seqlens.numel() == B + 1, op, ": seq_lens_kv [B] and cu_seqlens_q [B + 1]");
 
-  // the per-token kernels' grid: qpr token slots per row (max_q_len when it bounds q_len within kDecodeMaxQ)
-  const int qpr = max_q_len >= 1 && max_q_len <= kDecodeMaxQ ? max_q_len : kDecodeMaxQ;
-  const int64_t dslots = std::max<int64_t>(1, (int64_t)B * qpr);
-  // at most this many decode tokens: what the split rule sizes, and the rows of the split partials (Args::prows)
-  const int64_t prows = std::min<int64_t>(T, dslots);
-  int splits = num_splits;
-  if (splits <= 0) {
-    int per_sm = 1;
-    FDL_FLOAT_SWITCH(q.dtype(), T_, op, {
-      if (f8) {
-        if constexpr (!std::is_same<T_, float>::value) {
-          per_sm = d == 64 ? decode_blocks_per_sm<T_, uint8_t, 64>(g) : decode_blocks_per_sm<T_, uint8_t, 128>(g);
+  const bool tiles = (max_q_len <= 0 ? T : max_q_len) > kDecodeMaxQ && B > 0;
+  const int64_t by_ctx = std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC));  // splits of 2+ chunks
+  // A step that launches the tile kernel takes the compact per-token grid (Args::compact): in a mixed step's graph the
+  // rows are padded to max_num_seqs, so a grid sized by B would take the few real decode rows for B of them and give
+  // them one split each (Qwen3-30B-A3B's prefill-heavy steps: 75 us a layer for 10 decode rows of 1-2k tokens).
+  const bool compact = tiles;
+  int qpr = 1, splits = 1, split_cap = 1;
+  int64_t dslots, prows;
+  if (compact) {
+    split_cap = num_splits > 0 ? std::min(num_splits, 64) : (int)std::min<int64_t>(32, by_ctx);
+    // blocks past B: room for the splits (forced: every row's)
+    int64_t room = num_splits > 0 ? (int64_t)B * (split_cap - 1) : 2 * (int64_t)num_sms();
+    if ((B + room) * kvh > kMaxCounters) {
+      split_cap = 1;
+      room = 0;
+    }
+    dslots = std::max<int64_t>(1, B + room);
+    prows = dslots;  // a split's partial sits at its block's row
+    splits = split_cap;
+  } else {
+    // the per-token kernels' grid: qpr token slots per row (max_q_len when it bounds q_len within kDecodeMaxQ)
+    qpr = max_q_len >= 1 && max_q_len <= kDecodeMaxQ ? max_q_len : kDecodeMaxQ;
+    dslots = std::max<int64_t>(1, (int64_t)B * qpr);
+    // at most this many decode tokens: what the split rule sizes, and the rows of the split partials (Args::prows)
+    prows = std::min<int64_t>(T, dslots);
+    splits = num_splits;
+    if (splits <= 0) {
+      int per_sm = 1;
+      FDL_FLOAT_SWITCH(q.dtype(), T_, op, {
+        if (f8) {
+          if constexpr (!std::is_same<T_, float>::value) {
+            per_sm = d == 64 ? decode_blocks_per_sm<T_, uint8_t, 64>(g) : decode_blocks_per_sm<T_, uint8_t, 128>(g);
+          }
+        } else {
+          switch (d) {
+            case 64: per_sm = decode_blocks_per_sm<T_, T_, 64>(g); break;
+            case 128: per_sm = decode_blocks_per_sm<T_, T_, 128>(g); break;
+            case 256: per_sm = decode_blocks_per_sm<T_, T_, 256>(g); break;
+            default: PD_THROW(op, ": head_dim must be 64, 128 or 256");
+          }
         }
-      } else {
-        switch (d) {
-          case 64: per_sm = decode_blocks_per_sm<T_, T_, 64>(g); break;
-          case 128: per_sm = decode_blocks_per_sm<T_, T_, 128>(g); break;
-          case 256: per_sm = decode_blocks_per_sm<T_, T_, 256>(g); break;
-          default: PD_THROW(op, ": head_dim must be 64, 128 or 256");
-        }
-      }
-    });
-    splits = choose_splits(prows * kvh, std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC)),
-                           (int64_t)per_sm * num_sms());
+      });
+      splits = choose_splits(prows * kvh, by_ctx, (int64_t)per_sm * num_sms());
+    }
+    splits = std::max(1, std::min(splits, 64));
+    if (splits > 1 && prows * kvh > kMaxCounters) splits = 1;
   }
-  splits = std::max(1, std::min(splits, 64));
-  if (splits > 1 && prows * kvh > kMaxCounters) splits = 1;
   paddle::Tensor out = paddle::empty({T, (int64_t)h * d}, q.dtype(), q.place());
   paddle::Tensor ws;
   Args a{};
@@ -856,15 +958,20 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   a.qpr = qpr;
   a.dslots = (int)dslots;
   a.prows = (int)prows;
+  a.qmax = compact ? 1 : kDecodeMaxQ;
+  a.compact = compact;
+  a.forced = num_splits > 0;
+  a.split_cap = split_cap;
+  a.split_target = 2 * num_sms();
   a.scale_log2 = scale * 1.4426950408889634f;
   a.counters = split_counters(stream_of(q));
   if (splits > 1 && T > 0) {
-    // [splits, prows, h, d] partial outputs, then [splits, prows, h] (max, sum) pairs
-    ws = paddle::empty({(int64_t)splits * prows * h * (d + 2)}, paddle::DataType::FLOAT32, q.place());
+    // [rows, h, d] partial outputs, then [rows, h] (max, sum) pairs: rows splits x prows (compact: prows)
+    const int64_t rows = compact ? prows : (int64_t)splits * prows;
+    ws = paddle::empty({rows * h * (d + 2)}, paddle::DataType::FLOAT32, q.place());
     a.part_o = static_cast<float*>(ws.data());
-    a.part_ml = reinterpret_cast<float2*>(a.part_o + (int64_t)splits * prows * h * d);
+    a.part_ml = reinterpret_cast<float2*>(a.part_o + rows * h * d);
   }
-  const bool tiles = (max_q_len <= 0 ? T : max_q_len) > kDecodeMaxQ && B > 0;
   cudaStream_t s = stream_of(q);
   FDL_FLOAT_SWITCH(q.dtype(), T_, op, {
     if (f8) {
