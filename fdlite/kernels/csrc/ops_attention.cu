@@ -898,8 +898,10 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   int64_t dslots, prows;
   if (compact) {
     split_cap = num_splits > 0 ? std::min(num_splits, 64) : (int)std::min<int64_t>(32, by_ctx);
-    // blocks past B: room for the splits (forced: every row's)
-    int64_t room = num_splits > 0 ? (int64_t)B * (split_cap - 1) : 2 * (int64_t)num_sms();
+    // blocks past B: room for the splits (forced: every row's). Automatic: nf rows of S = ceil(target / (nf kvh))
+    // splits need nf (S - 1) < target / kvh more blocks, so the room never limits S, and a step with one prompt
+    // does not launch 2 x SMs x kvh blocks that only exit (one 2k prompt's op: 51.7 vs 48.0 us with that room)
+    int64_t room = num_splits > 0 ? (int64_t)B * (split_cap - 1) : ceil_div(2 * (int64_t)num_sms(), (int64_t)kvh);
     if ((B + room) * kvh > kMaxCounters) {
       split_cap = 1;
       room = 0;
