@@ -2024,7 +2024,10 @@ def section_moe_bench():
 
         def prefill_case():
             prompts = prefill_heavy_prompts(8, 64, 120) if ARGS.quick else prefill_heavy_prompts(256)
-            out, roof = timed(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            # warm-up, as the protocol's: with `--jobs prefill_heavy` alone this is the engine's first generate
+            state["llm"].generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+            out, roof = timed(prompts, params)
             out["tokens_per_s"] = round((out["input_tokens"] + out["output_tokens"]) / out["generate_s"], 1)
             out["flop_roofline_tokens_per_s"] = round((out["input_tokens"] + out["output_tokens"])
                                                       / max(roof["flop_roofline_s"], 1e-12), 1)
