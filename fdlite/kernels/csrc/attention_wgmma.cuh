@@ -357,6 +357,9 @@ template <typename T, int D>
 __global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, int tile_tokens, int* sched) {
   using C = WgTile<D>;
   pdl_trigger();
+  // sm_90a code only (mbarriers, wgmma): other targets of a multi-arch build (FDLITE_CUDA_ARCHS "80;90a") get an
+  // empty kernel that is never launched (wgmma_ready)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ float4 smem4[];
   uint8_t* smem = smem_align1024(smem4);
   WgPipe pipe{(uint32_t)__cvta_generic_to_shared(smem + C::BAR_OFF), 0, 0};
@@ -410,6 +413,9 @@ __global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, i
       sched[1] = 0;
     }
   }
+#else
+  pdl_wait();
+#endif
 }
 
 }  // namespace
