@@ -64,3 +64,26 @@ def test_harness_section_runs_quick_on_cpu(tmp_path):
         assert proto["output_tokens"] == proto["requested_output_tokens"]
         assert proto["roofline"]["steps_logged"] == proto["steps"] and proto["roofline"]["step_roofline_s"] > 0
         assert prefill["roofline"]["flop_roofline_s"] > 0 and prefill["output_tokens"] == 8 * prefill["requests"]
+
+
+@pytest.mark.parametrize("job", ["prefill_heavy", "protocol"])
+def test_step_times_section_runs_quick_on_cpu(tmp_path, job):
+    """e2e_harness.py's `step_times`: the job async (wall time only), then with every step timed; the timed steps are
+    all of the job's steps, grouped by kind, and their sum fits in the job's wall time."""
+    env = {**os.environ, "FDLITE_E2E_DEVICE": "cpu", "FDLITE_PROFILE_MODEL": "qwen3_4b_dense",
+           "FDLITE_STEP_TIMES_JOB": job}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu", "e2e_harness.py"), "step_times", "--quick",
+                           "--out", str(tmp_path / "out"), "--models", str(tmp_path / "models")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "step_times.json").read_text())
+    assert res["errors"] == []
+    timed = res["results"][f"sync_timed_{job}_qwen3_4b_dense"]
+    assert res["results"][f"async_{job}_qwen3_4b_dense"]["generate_s"] > 0
+    kinds = timed["by_kind"]
+    assert sum(k["n"] for k in kinds.values()) == timed["steps"] > 1
+    assert 0 < timed["execute_s"] <= timed["generate_s"]
+    prefill = sum(v["n"] for k, v in kinds.items() if k.startswith("prefill tokens"))
+    decode = sum(v["n"] for k, v in kinds.items() if k.startswith("decode rows"))
+    # 8 short prompts: one or two prefill steps, then the decode-only steps of their 8+ output tokens
+    assert 1 <= prefill <= 2 and decode >= 7

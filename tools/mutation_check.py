@@ -684,6 +684,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "step-times-kinds-swapped",
+        "The step_times section files decode-only steps under prefill and the other way round",
+        (Edit("tools/gpu/e2e_harness.py", "        if tokens == decodes:\n            lo = (decodes - 1) // 32 * 32 + 1",
+              "        if tokens != decodes:  # MUTATION\n            lo = (decodes - 1) // 32 * 32 + 1"),),
+        ("tests/test_moe_bench_tools.py::test_step_times_section_runs_quick_on_cpu",),
+        "new",
+    ),
+    Mutation(
         "kv-sizing-report-peak-not-activations",
         "The startup report's KV sizing shows the profile's whole peak (weights included) as the activation peak",
         (Edit("fdlite/kvcache/sizing.py",

@@ -1903,37 +1903,51 @@ def full_size_llm(name: str, **options):
 
 
 def section_step_times():
-    """Where a job's wall time goes, without a profiler (the lent machines have none that sees inside graphs): the
-    prefill-heavy job on a full-size shape (FDLITE_PROFILE_MODEL, a MOE_BENCH_SHAPES name) with graphs, run twice:
-    async scheduling (the default: its generate wall time), then synchronous with each `ModelRunner.execute`
-    bracketed by device syncs, so its time is the step's GPU time plus the host work that issues it. Their
-    difference is host time the GPU waits for; the per-kind step times say which steps cost what."""
+    """Where a job's wall time goes, without a profiler (the lent machines have none that sees inside graphs): a job
+    (FDLITE_STEP_TIMES_JOB: prefill_heavy, the default, or protocol) on FDLITE_PROFILE_MODEL (a MOE_BENCH_SHAPES
+    name with random weights, or qwen3_06b as section_throughput builds it) with graphs, run twice: async
+    scheduling (the default: its generate wall time), then synchronous with each `ModelRunner.execute` bracketed by
+    device syncs, so its time is the step's GPU time plus the host work that issues it. Their difference is host
+    time the GPU waits for; the step times by kind (decode-only steps by batch size) say which steps cost what."""
     import ctypes  # noqa: PLC0415
     import gc  # noqa: PLC0415
 
-    from fdlite import SamplingParams  # noqa: PLC0415
+    from fdlite import LLM, SamplingParams  # noqa: PLC0415
 
-    cuda = ctypes.CDLL("libcuda.so.1")
+    sync = ctypes.CDLL("libcuda.so.1").cuCtxSynchronize if FDL_DEVICE == "gpu" else (lambda: None)
     name = os.environ.get("FDLITE_PROFILE_MODEL", "qwen3_30b_a3b")
-    prompts = [{"prompt_token_ids": p} for p in prefill_heavy_prompts(256)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    job_name = os.environ.get("FDLITE_STEP_TIMES_JOB", "prefill_heavy")
+    if job_name == "protocol":
+        ids, outs = protocol(n=8, max_in=200, max_out=120) if ARGS.quick else protocol()
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs]
+    else:
+        ids = prefill_heavy_prompts(8, 64, 120) if ARGS.quick else prefill_heavy_prompts(1024 if name == "qwen3_06b"
+                                                                                          else 256)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ids]
+
+    def engine(async_scheduling: bool):
+        if name == "qwen3_06b":
+            return LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
+                       max_num_batched_tokens=8192, use_cudagraph=True, async_scheduling=async_scheduling)
+        return full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling)
 
     def job(async_scheduling: bool):
-        llm = full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling)
+        llm = engine(async_scheduling)
         runner, inner, steps = llm.runner, llm.runner.execute, []
 
         def timed(step):
-            cuda.cuCtxSynchronize()
+            sync()
             t = time.perf_counter()
             out = inner(step)
-            cuda.cuCtxSynchronize()
+            sync()
             steps.append((step.flat.num_tokens, step.flat.num_decodes, time.perf_counter() - t))
             return out
 
         if not async_scheduling:
             runner.execute = timed
         try:
-            llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             steps.clear()
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
@@ -1944,17 +1958,27 @@ def section_step_times():
             gc.collect()
         out = {"generate_s": round(wall, 3)}
         if steps:
-            big = [s for s in steps if s[0] >= 4096]
-            small = [s for s in steps if s[0] < 4096]
             out.update({"execute_s": round(sum(s[2] for s in steps), 3), "steps": len(steps),
-                        "large_steps": {"n": len(big), "ms_mean": round(1e3 * np.mean([s[2] for s in big]), 2),
-                                        "ms_min": round(1e3 * min(s[2] for s in big), 2),
-                                        "ms_max": round(1e3 * max(s[2] for s in big), 2)} if big else None,
-                        "small_steps": [[s[0], s[1], round(1e3 * s[2], 2)] for s in small]})
+                        "by_kind": step_time_summary(steps)})
         return out
 
-    run(f"async_{name}", lambda: job(True))
-    run(f"sync_timed_{name}", lambda: job(False))
+    run(f"async_{job_name}_{name}", lambda: job(True))
+    run(f"sync_timed_{job_name}_{name}", lambda: job(False))
+
+
+def step_time_summary(steps) -> dict:
+    """(tokens, decodes, seconds) per step -> per kind: decode-only steps by batch size (buckets of 32 rows), steps
+    with prefill tokens by token count (up to 1k, up to 4k, more): count, total and mean milliseconds."""
+    groups: dict[str, list[float]] = {}
+    for tokens, decodes, sec in steps:
+        if tokens == decodes:
+            lo = (decodes - 1) // 32 * 32 + 1
+            key = f"decode rows {lo}-{lo + 31}"
+        else:
+            key = "prefill tokens " + ("<=1k" if tokens <= 1024 else "<=4k" if tokens <= 4096 else ">4k")
+        groups.setdefault(key, []).append(sec)
+    return {k: {"n": len(v), "total_ms": round(1e3 * sum(v), 1), "mean_ms": round(1e3 * sum(v) / len(v), 3)}
+            for k, v in sorted(groups.items())}
 
 
 def section_moe_bench():
