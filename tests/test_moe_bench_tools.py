@@ -50,14 +50,21 @@ def test_qwen3_30b_a3b_counts(tmp_path):
         assert (flops / moe_roofline.BF16_FLOPS_PER_S > nbytes / moe_roofline.HBM_BYTES_PER_S) == compute_bound
 
 
-def test_harness_section_runs_quick_on_cpu(tmp_path):
-    env = {**os.environ, "FDLITE_E2E_DEVICE": "cpu"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu", "e2e_harness.py"), "moe_bench", "--quick",
+def run_section_quick_on_cpu(tmp_path, section: str, **env) -> dict:
+    """tools/gpu/e2e_harness.py `section` --quick with the device set to the CPU: its results file, after checking
+    that it ran without errors."""
+    env = {**os.environ, "FDLITE_E2E_DEVICE": "cpu", **env}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu", "e2e_harness.py"), section, "--quick",
                            "--out", str(tmp_path / "out"), "--models", str(tmp_path / "models")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((tmp_path / "out" / "moe_bench.json").read_text())
+    res = json.loads((tmp_path / "out" / f"{section}.json").read_text())
     assert res["errors"] == []
+    return res
+
+
+def test_harness_section_runs_quick_on_cpu(tmp_path):
+    res = run_section_quick_on_cpu(tmp_path, "moe_bench")
     for name in ("ernie45_21b_a3b", "qwen3_30b_a3b", "qwen3_4b_dense"):
         assert os.listdir(tmp_path / "models" / f"{name}-quick-config-only") == ["config.json"]  # no weights
         proto, prefill = res["results"][f"protocol_{name}"], res["results"][f"prefill_heavy_{name}"]
@@ -70,14 +77,8 @@ def test_harness_section_runs_quick_on_cpu(tmp_path):
 def test_step_times_section_runs_quick_on_cpu(tmp_path, job):
     """e2e_harness.py's `step_times`: the job async (wall time only), then with every step timed; the timed steps are
     all of the job's steps, grouped by kind, and their sum fits in the job's wall time."""
-    env = {**os.environ, "FDLITE_E2E_DEVICE": "cpu", "FDLITE_PROFILE_MODEL": "qwen3_4b_dense",
-           "FDLITE_STEP_TIMES_JOB": job}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu", "e2e_harness.py"), "step_times", "--quick",
-                           "--out", str(tmp_path / "out"), "--models", str(tmp_path / "models")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((tmp_path / "out" / "step_times.json").read_text())
-    assert res["errors"] == []
+    res = run_section_quick_on_cpu(tmp_path, "step_times", FDLITE_PROFILE_MODEL="qwen3_4b_dense",
+                                   FDLITE_STEP_TIMES_JOB=job)
     timed = res["results"][f"sync_timed_{job}_qwen3_4b_dense"]
     assert res["results"][f"async_{job}_qwen3_4b_dense"]["generate_s"] > 0
     kinds = timed["by_kind"]
