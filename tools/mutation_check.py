@@ -685,9 +685,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "step-times-kinds-swapped",
-        "The step_times section files decode-only steps under prefill and the other way round",
-        (Edit("tools/gpu/e2e_harness.py", "        if tokens == decodes:\n            lo = (decodes - 1) // 32 * 32 + 1",
-              "        if tokens != decodes:  # MUTATION\n            lo = (decodes - 1) // 32 * 32 + 1"),),
+        "The step-time breakdown (step_times, breakdown) files decode-only steps under steps with prefill tokens",
+        (Edit("tools/gpu/e2e_harness.py", '        if tokens > decodes:\n            key = "with prefill tokens"',
+              '        if tokens >= decodes:  # MUTATION\n            key = "with prefill tokens"'),),
         ("tests/test_moe_bench_tools.py::test_step_times_section_runs_quick_on_cpu",),
         "new",
     ),

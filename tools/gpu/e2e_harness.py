@@ -28,6 +28,7 @@ Each writes DIR/<section>.json as it goes (a crash keeps what was measured).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -799,12 +800,20 @@ def prefill_heavy_prompts(n, lo=1024, hi=2040):
     return [[random.randint(0, 10000) for _ in range(random.randint(lo, hi))] for _ in range(n)]
 
 
+def warm_up(llm) -> None:
+    """One tiny request before a timed job (first-call costs out of its time; token ids no job's prompt starts
+    with, so it leaves nothing in the prefix cache that a job could hit)."""
+    from fdlite import SamplingParams  # noqa: PLC0415
+
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
 def run_protocol(llm) -> dict:
     """nano-vllm's protocol on `llm` after a short warm-up: temperature 0.6, ignore_eos, output tokens/s."""
     from fdlite import SamplingParams  # noqa: PLC0415
 
     prompts, outs = protocol()
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    warm_up(llm)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs]
     t = time.time()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -1145,7 +1154,7 @@ def section_latency():
             vocab = llm.model_config.vocab_size
             res = {}
             try:
-                llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+                warm_up(llm)
                 for b in batches:
                     prompts = [{"prompt_token_ids": rng.integers(10, vocab - 10, prompt_len).tolist()} for _ in range(b)]
                     walls = {}
@@ -1270,6 +1279,48 @@ def section_latency():
         log("  sync vs async ms/token:", RES["results"]["async_vs_sync_ms_per_token"])
 
 
+@contextlib.contextmanager
+def timed_steps(runner, sync=None):
+    """Inside: every `runner.execute` call recorded as (tokens, decodes, seconds) in the yielded list; `sync` (a
+    device synchronize), when given, brackets each call so its time covers the step's GPU work."""
+    inner, steps = runner.execute, []
+
+    def timed(step):
+        if sync:
+            sync()
+        t = time.perf_counter()
+        out = inner(step)
+        if sync:
+            sync()
+        steps.append((step.flat.num_tokens, step.flat.num_decodes, time.perf_counter() - t))
+        return out
+
+    runner.execute = timed
+    try:
+        yield steps
+    finally:
+        runner.execute = inner
+
+
+def steps_by_kind(steps, wall: float) -> dict:
+    """(tokens, decodes, seconds) per step -> per kind (steps with prefill tokens; decode-only steps by batch size):
+    count, seconds, share of `wall`, ms a step, tokens and output tokens."""
+    kinds: dict[str, list] = {}
+    for tokens, decodes, sec in steps:
+        if tokens > decodes:
+            key = "with prefill tokens"
+        else:
+            key = next(f"decode <= {b}" for b in (4, 16, 64, 128, 192, 256, 10**9) if decodes <= b)
+        k = kinds.setdefault(key, [0, 0.0, 0, 0])
+        k[0] += 1
+        k[1] += sec
+        k[2] += tokens
+        k[3] += decodes
+    return {key: {"steps": n, "seconds": round(sec, 3), "share_of_wall": round(sec / wall, 3),
+                  "ms_per_step": round(sec / n * 1e3, 3), "tokens": tok, "output_tokens": dec}
+            for key, (n, sec, tok, dec) in sorted(kinds.items())}
+
+
 def section_breakdown():
     """The throughput protocol's wall time split by step kind: each `ModelRunner.execute` call (forward, LM
     head, sampling, ids back on the host) timed with the batch it ran, the rest being the engine's host work
@@ -1286,42 +1337,16 @@ def section_breakdown():
 
     def case():
         llm = state["llm"]
-        runner = llm.runner
-        inner = runner.execute
-        steps = []
-
-        def timed(step):
-            t = time.perf_counter()
-            out = inner(step)
-            steps.append((step.flat.num_tokens, step.flat.num_decodes, time.perf_counter() - t))
-            return out
-
-        runner.execute = timed
         prompts, outs = protocol()
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        steps.clear()
-        t = time.time()
-        llm.generate([{"prompt_token_ids": p} for p in prompts],
-                     [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs], use_tqdm=False)
-        wall = time.time() - t
-        runner.execute = inner
-        kinds: dict[str, list] = {}
-        for tokens, decodes, sec in steps:
-            if tokens > decodes:
-                key = "with prefill tokens"
-            else:
-                key = next(f"decode <= {b}" for b in (4, 16, 64, 128, 192, 256, 10**9) if decodes <= b)
-            k = kinds.setdefault(key, [0, 0.0, 0, 0])
-            k[0] += 1
-            k[1] += sec
-            k[2] += tokens
-            k[3] += decodes
-        table = {key: {"steps": n, "seconds": round(sec, 3), "share_of_wall": round(sec / wall, 3),
-                       "ms_per_step": round(sec / n * 1e3, 3), "tokens": tok, "output_tokens": dec}
-                 for key, (n, sec, tok, dec) in sorted(kinds.items())}
+        warm_up(llm)
+        with timed_steps(llm.runner) as steps:
+            t = time.time()
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs], use_tqdm=False)
+            wall = time.time() - t
         in_steps = sum(x[2] for x in steps)
         return {"wall_s": round(wall, 2), "steps": len(steps), "in_execute_s": round(in_steps, 2),
-                "outside_execute_s": round(wall - in_steps, 2), "by_kind": table}
+                "outside_execute_s": round(wall - in_steps, 2), "by_kind": steps_by_kind(steps, wall)}
 
     run("startup", startup)
     if "llm" in state:
@@ -1908,13 +1933,14 @@ def section_step_times():
     name with random weights, or qwen3_06b as section_throughput builds it) with graphs, run twice: async
     scheduling (the default: its generate wall time), then synchronous with each `ModelRunner.execute` bracketed by
     device syncs, so its time is the step's GPU time plus the host work that issues it. Their difference is host
-    time the GPU waits for; the step times by kind (decode-only steps by batch size) say which steps cost what."""
+    time the GPU waits for; the step times by kind (`steps_by_kind`, as section_breakdown's) say which steps cost
+    what."""
     import ctypes  # noqa: PLC0415
     import gc  # noqa: PLC0415
 
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
 
-    sync = ctypes.CDLL("libcuda.so.1").cuCtxSynchronize if FDL_DEVICE == "gpu" else (lambda: None)
+    sync = ctypes.CDLL("libcuda.so.1").cuCtxSynchronize if FDL_DEVICE == "gpu" else None
     name = os.environ.get("FDLITE_PROFILE_MODEL", "qwen3_30b_a3b")
     job_name = os.environ.get("FDLITE_STEP_TIMES_JOB", "prefill_heavy")
     if job_name == "protocol":
@@ -1934,51 +1960,24 @@ def section_step_times():
 
     def job(async_scheduling: bool):
         llm = engine(async_scheduling)
-        runner, inner, steps = llm.runner, llm.runner.execute, []
-
-        def timed(step):
-            sync()
-            t = time.perf_counter()
-            out = inner(step)
-            sync()
-            steps.append((step.flat.num_tokens, step.flat.num_decodes, time.perf_counter() - t))
-            return out
-
-        if not async_scheduling:
-            runner.execute = timed
         try:
-            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-            steps.clear()
-            t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - t
+            warm_up(llm)
+            # synchronous: every step timed with its GPU work; async: the wall time only
+            with timed_steps(llm.runner, sync) if not async_scheduling else contextlib.nullcontext([]) as steps:
+                t = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                wall = time.perf_counter() - t
         finally:
-            runner.execute = inner
             llm.close()
             gc.collect()
         out = {"generate_s": round(wall, 3)}
         if steps:
             out.update({"execute_s": round(sum(s[2] for s in steps), 3), "steps": len(steps),
-                        "by_kind": step_time_summary(steps)})
+                        "by_kind": steps_by_kind(steps, wall)})
         return out
 
     run(f"async_{job_name}_{name}", lambda: job(True))
     run(f"sync_timed_{job_name}_{name}", lambda: job(False))
-
-
-def step_time_summary(steps) -> dict:
-    """(tokens, decodes, seconds) per step -> per kind: decode-only steps by batch size (buckets of 32 rows), steps
-    with prefill tokens by token count (up to 1k, up to 4k, more): count, total and mean milliseconds."""
-    groups: dict[str, list[float]] = {}
-    for tokens, decodes, sec in steps:
-        if tokens == decodes:
-            lo = (decodes - 1) // 32 * 32 + 1
-            key = f"decode rows {lo}-{lo + 31}"
-        else:
-            key = "prefill tokens " + ("<=1k" if tokens <= 1024 else "<=4k" if tokens <= 4096 else ">4k")
-        groups.setdefault(key, []).append(sec)
-    return {k: {"n": len(v), "total_ms": round(1e3 * sum(v), 1), "mean_ms": round(1e3 * sum(v) / len(v), 3)}
-            for k, v in sorted(groups.items())}
 
 
 def section_moe_bench():
@@ -2039,7 +2038,7 @@ def section_moe_bench():
         def protocol_case():
             llm = state["llm"]
             prompts, outs = protocol(n=8, max_in=200, max_out=120) if ARGS.quick else protocol()
-            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+            warm_up(llm)
             out, roof = timed(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs])
             out["requested_output_tokens"] = sum(outs)
             out["output_tokens_per_s"] = round(out["output_tokens"] / out["generate_s"], 1)
@@ -2048,10 +2047,8 @@ def section_moe_bench():
 
         def prefill_case():
             prompts = prefill_heavy_prompts(8, 64, 120) if ARGS.quick else prefill_heavy_prompts(256)
-            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-            # warm-up, as the protocol's: with `--jobs prefill_heavy` alone this is the engine's first generate
-            state["llm"].generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
-            out, roof = timed(prompts, params)
+            warm_up(state["llm"])  # as the protocol's: with `--jobs prefill_heavy` alone this is the first generate
+            out, roof = timed(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
             out["tokens_per_s"] = round((out["input_tokens"] + out["output_tokens"]) / out["generate_s"], 1)
             out["flop_roofline_tokens_per_s"] = round((out["input_tokens"] + out["output_tokens"])
                                                       / max(roof["flop_roofline_s"], 1e-12), 1)
