@@ -505,14 +505,15 @@ def cache_row(slot, j, kvh, bs):
     return (slot // bs * kvh + j) * bs + slot % bs
 
 
-def t_rope(dt, T, h, kvh, d, bs, num_blocks, qk_norm, table_dt):
+def t_rope(dt, T, h, kvh, d, bs, num_blocks, qk_norm, table_dt, clamp=False):
+    """clamp: positions below 0 and past the table too (the op clamps them to [0, max_pos))."""
     def f():
         eps = 1e-6
         max_pos = 4096
         cos, sin = rope_tables(d, max_pos)
         cos_t, sin_t = q(cos, table_dt), q(sin, table_dt)
         qkv = q(rng.standard_normal((T, (h + 2 * kvh) * d)) * 2, dt)
-        pos = rng.integers(0, max_pos, T)
+        pos = rng.integers(-5, max_pos + 100, T) if clamp else rng.integers(0, max_pos, T)
         slots = rng.choice(num_blocks * bs, T, replace=False).astype(np.int64)
         slots[::5] = -1  # write nothing
         qw = q(1 + 0.2 * rng.standard_normal(d), dt)
@@ -527,8 +528,9 @@ def t_rope(dt, T, h, kvh, d, bs, num_blocks, qk_norm, table_dt):
         qx, kx, vx = x[:, :h], x[:, h:h + kvh], x[:, h + kvh:]
         if qk_norm:
             qx, kx = head_norm_ref(qx, qw, eps, dt), head_norm_ref(kx, kw, eps, dt)
-        q_ref = q(rope_ref(qx, pos, cos_t, sin_t), dt)
-        k_ref = q(rope_ref(kx, pos, cos_t, sin_t), dt)
+        pos_c = np.clip(pos, 0, max_pos - 1)
+        q_ref = q(rope_ref(qx, pos_c, cos_t, sin_t), dt)
+        k_ref = q(rope_ref(kx, pos_c, cos_t, sin_t), dt)
         e_q = relerr(to_np(qo), q_ref)
         kcn = to_np(kc).reshape(-1, d)
         vcn = to_np(vc).reshape(-1, d)
@@ -556,14 +558,76 @@ for dt in DTYPES:
 check("rope_qk_norm_cache bfloat16 d64 14/2 heads (Qwen2.5-0.5B-like)", t_rope("bfloat16", 23, 14, 2, 64, 64, 5, False, "float32"))
 check("rope_qk_norm_cache float32 d256 8/4 heads", t_rope("float32", 9, 8, 4, 256, 32, 4, True, "float32"))
 for dt in ("bfloat16", "float32"):  # from 512 tokens a warp takes 4 heads of a token (18 heads: 4 + 4 + 4 + 4 + 2)
-    check(f"rope_qk_norm_cache {dt} 600 tokens (4 heads a warp) 16/8 heads d128 qk_norm",
+    check(f"rope_qk_norm_cache {dt} 600 tokens (wide: 4 heads a warp) 16/8 heads d128 qk_norm",
           t_rope(dt, 600, 16, 8, 128, 64, 12, True, "float32"))
-    check(f"rope_qk_norm_cache {dt} 600 tokens (4 heads a warp) 14/2 heads d64, {dt} table",
+    check(f"rope_qk_norm_cache {dt} 600 tokens (wide: 4 heads a warp) 14/2 heads d64, {dt} table",
           t_rope(dt, 600, 14, 2, 64, 16, 40, False, dt))
 check("rope_qk_norm_cache bfloat16 d80 8/2 heads (pairs of elements, lanes past d/2 idle)",
       t_rope("bfloat16", 21, 8, 2, 80, 16, 12, True, "float32"))
 check("rope_qk_norm_cache float16 d98 4/2 heads (d/2 odd: one element per load), fp16 table",
       t_rope("float16", 13, 4, 2, 98, 16, 8, True, "float16"))
+# From 512 tokens, where d/2 is a multiple of 8: rope_cache_wide_kernel (8 lanes a head, 16-byte accesses); other
+# head_dims keep 4 heads a warp of rope_cache_kernel. Padded tokens (every 5th slot -1) and, with clamp, positions
+# below 0 and past the table.
+for dt in DTYPES:
+    check(f"rope_qk_norm_cache {dt} 2048 tokens (wide) Qwen3-30B-A3B 32/4 heads d128 bs64 qk_norm, fp32 table, "
+          "positions clamped", t_rope(dt, 2048, 32, 4, 128, 64, 40, True, "float32", clamp=True))
+check("rope_qk_norm_cache bfloat16 1000 tokens (wide) 14/2 heads d64 (18 heads: a group of 2) qk_norm, bfloat16 table,"
+      " positions clamped", t_rope("bfloat16", 1000, 14, 2, 64, 16, 70, True, "bfloat16", clamp=True))
+check("rope_qk_norm_cache float16 700 tokens (wide) 5/1 heads d128 (7 heads) no qk_norm, float16 table",
+      t_rope("float16", 700, 5, 1, 128, 16, 50, False, "float16", clamp=True))
+check("rope_qk_norm_cache bfloat16 600 tokens (wide) 8/4 heads d256 (2 chunks a lane) qk_norm, fp32 table",
+      t_rope("bfloat16", 600, 8, 4, 256, 32, 20, True, "float32", clamp=True))
+check("rope_qk_norm_cache float16 600 tokens (wide) 8/2 heads d80 (lanes past d/2 idle) qk_norm, fp32 table",
+      t_rope("float16", 600, 8, 2, 80, 16, 40, True, "float32"))
+check("rope_qk_norm_cache bfloat16 600 tokens d72 8/2 heads (d/2 not whole chunks: 4 heads a warp) qk_norm",
+      t_rope("bfloat16", 600, 8, 2, 72, 16, 40, True, "float32", clamp=True))
+check("rope_qk_norm_cache float16 600 tokens d98 4/2 heads (d/2 odd: 4 heads a warp, one element per load)",
+      t_rope("float16", 600, 4, 2, 98, 16, 40, True, "float16"))
+
+
+def t_rope_bits(dt, T, h, kvh, d, bs, num_blocks, qk_norm, table_dt, chunk=256):
+    """The wide kernel (one call on T >= 512 tokens) against the decode path (the same tokens in calls of `chunk` <
+    512, one head a warp): q and both caches must be equal bit for bit (the same float32 arithmetic in the same
+    order, the q/k norm's sum of squares included)."""
+    def f():
+        max_pos = 4096
+        cos, sin = rope_tables(d, max_pos)
+        tabs = (to_gpu(q(cos, table_dt), table_dt), to_gpu(q(sin, table_dt), table_dt))
+        qkv = q(rng.standard_normal((T, (h + 2 * kvh) * d)) * 2, dt)
+        pos = rng.integers(-5, max_pos + 100, T)
+        slots = rng.choice(num_blocks * bs, T, replace=False).astype(np.int64)
+        slots[::5] = -1
+        qw = to_gpu(q(1 + 0.2 * rng.standard_normal(d), dt), dt) if qk_norm else None
+        kw = to_gpu(q(1 + 0.2 * rng.standard_normal(d), dt), dt) if qk_norm else None
+        shape = (num_blocks + 1, kvh, bs, d)
+        caches = [to_gpu(np.full(shape, np.nan, np.float32), dt) for _ in range(4)]
+
+        def run(lo, hi, kc, vc):
+            return G.rope_qk_norm_cache(to_gpu(qkv[lo:hi], dt), to_gpu(pos[lo:hi], "int64"),
+                                        to_gpu(slots[lo:hi], "int64"), *tabs, kc, vc, h, qw, kw, 1e-6)
+        q_wide = to_np(run(0, T, caches[0], caches[1]))
+        q_head = np.concatenate([to_np(run(lo, min(T, lo + chunk), caches[2], caches[3])) for lo in range(0, T, chunk)])
+        sync()
+        same = [np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in
+                ((q_wide, q_head), (to_np(caches[0]), to_np(caches[2])), (to_np(caches[1]), to_np(caches[3])))]
+        n_diff = int(np.sum(q_wide.view(np.uint32) != q_head.view(np.uint32)))
+        finite = bool(np.all(np.isfinite(q_wide)))
+        ok = all(same) and finite
+        return ok, float(n_diff), 0, (f"q / k cache / v cache equal: {same}; q elements differing {n_diff} of "
+                                      f"{q_wide.size}; q finite: {finite}")
+    return f
+
+
+for dt in DTYPES:
+    check(f"rope_qk_norm_cache {dt} wide path == decode path bit for bit: 8192 tokens Qwen3-30B-A3B 32/4 heads d128 "
+          "qk_norm, fp32 table", t_rope_bits(dt, 8192, 32, 4, 128, 64, 130, True, "float32"))
+check("rope_qk_norm_cache bfloat16 wide path == decode path bit for bit: 1024 tokens 14/2 heads d64 qk_norm, "
+      "bfloat16 table", t_rope_bits("bfloat16", 1024, 14, 2, 64, 16, 70, True, "bfloat16"))
+check("rope_qk_norm_cache float32 wide path == decode path bit for bit: 600 tokens 8/4 heads d256 qk_norm",
+      t_rope_bits("float32", 600, 8, 4, 256, 32, 20, True, "float32"))
+check("rope_qk_norm_cache float16 wide path == decode path bit for bit: 600 tokens 6/2 heads d80 qk_norm, float16 "
+      "table", t_rope_bits("float16", 600, 6, 2, 80, 16, 40, True, "float16"))
 
 
 # ---- FP8 (e4m3) caches: numpy codec, round to nearest even, saturating (what the kernels' cvt does)
@@ -638,6 +702,9 @@ for dt in ("bfloat16", "float16"):
     check(f"rope_qk_norm_cache_fp8 {dt} d64 14/2 heads bs16", t_rope_fp8(dt, 29, 14, 2, 64, 16, 40, False))
     check(f"rope_qk_norm_cache_fp8 {dt} 600 tokens (4 heads a warp) 14/2 heads d64 bs16",
           t_rope_fp8(dt, 600, 14, 2, 64, 16, 40, False))
+    # FP8 caches keep rope_cache_kernel's 4 heads a warp, the model-dtype path takes the wide kernel: q bit for bit
+    check(f"rope_qk_norm_cache_fp8 {dt} 600 tokens 32/4 heads d128 bs64 qk_norm (q vs the wide kernel's)",
+          t_rope_fp8(dt, 600, 32, 4, 128, 64, 12, True))
 save()
 
 # ================================================================== (e) paged attention
@@ -1504,11 +1571,14 @@ if not ARGS.no_bench:
             w = to_gpu(np.ones(1024), "bfloat16")
             gu = to_gpu(rng.standard_normal((T, 6144)), "bfloat16")
             qkv = to_gpu(rng.standard_normal((T, 4096)), "bfloat16")
+            qkv30 = to_gpu(rng.standard_normal((T, 5120)), "bfloat16")  # Qwen3-30B-A3B: 32 + 2 x 4 heads of 128
             pos = to_gpu(rng.integers(0, 4096, T), "int64")
             sl = to_gpu(rng.permutation(slots_n)[:T].astype(np.int64), "int64")
             cs = to_gpu(np.ones((4096, 128)), "float32")
             kc = empty([slots_n // 64 + 1, 8, 64, 128], "bfloat16")
             vc = empty([slots_n // 64 + 1, 8, 64, 128], "bfloat16")
+            kc30 = empty([slots_n // 64 + 1, 4, 64, 128], "bfloat16")
+            vc30 = empty([slots_n // 64 + 1, 4, 64, 128], "bfloat16")
             qn = to_gpu(np.ones(128), "bfloat16")
             ids = to_gpu(rng.integers(0, 151936, T), "int64")
             emb = empty([151936, 1024], "bfloat16")
@@ -1516,13 +1586,17 @@ if not ARGS.no_bench:
                 ("rms_norm", lambda: G.rms_norm(x, w, 1e-6), T * 1024 * 4),
                 ("fused_add_rms_norm_", lambda: G.fused_add_rms_norm_(x, r, w, 1e-6), T * 1024 * 8),
                 ("silu_and_mul", lambda: G.silu_and_mul(gu), T * 6144 * 3),
-                ("rope_qk_norm_cache", lambda: G.rope_qk_norm_cache(qkv, pos, sl, cs, cs, kc, vc, 16, qn, qn, 1e-6), T * 4096 * 4),
+                # bytes: qkv read, q and k / v written (bf16; every slot written; the cos / sin rows not counted)
+                ("rope_qk_norm_cache", lambda: G.rope_qk_norm_cache(qkv, pos, sl, cs, cs, kc, vc, 16, qn, qn, 1e-6),
+                 T * 2 * (4096 + 16 * 128 + 2 * 8 * 128)),
+                ("rope_qk_norm_cache 32/4", lambda: G.rope_qk_norm_cache(qkv30, pos, sl, cs, cs, kc30, vc30, 32, qn, qn,
+                                                                         1e-6), T * 2 * (5120 + 32 * 128 + 2 * 4 * 128)),
                 ("embedding", lambda: G.embedding(ids, emb), T * 1024 * 4),
             ):
                 us = graph_time_us(fn, per_graph=50, replays=5)
                 row = {"op": name, "T": T, "us": round(us, 2), "GB_s": round(byt / us / 1e3)}
                 out.append(row)
-                log(f"  {name:22s} T={T:5d}: {us:7.2f} us {row['GB_s']:6d} GB/s")
+                log(f"  {name:24s} T={T:5d}: {us:7.2f} us {row['GB_s']:6d} GB/s")
         return out
 
     def bench_sampling():

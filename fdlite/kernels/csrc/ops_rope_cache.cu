@@ -14,6 +14,13 @@
 // cos / sin are the CPU path's tables [max_positions, d] (llama3 scaling already folded in), float32
 // or the model dtype. Arithmetic in float32; the q/k norm output is rounded to the model dtype
 // before rotation (as the CPU path / Hugging Face, where the norm is a separate op).
+//
+// Two kernels, the same arithmetic (outputs equal bit for bit): rope_cache_kernel, 32 lanes a head and pairs of
+// elements per access, for decode-sized batches (latency-bound), FP8 caches and shapes without whole 16-byte
+// chunks; and from kRopeGroupFrom tokens rope_cache_wide_kernel, 8 lanes a head, 4 heads a warp at once and 16-byte
+// accesses, for the memory-bound prefill pass (the first's 4-byte accesses and one head after another reached
+// about 64% of HBM bandwidth at 8k tokens of Qwen3-30B-A3B). Its q/k norm adds the sum of squares in the first
+// kernel's order, so the float is the same.
 #include <type_traits>
 
 #include "ops_common.cuh"
@@ -21,8 +28,9 @@
 namespace fdl {
 namespace {
 
-// Heads of one token per warp from this many tokens on (they share its cos / sin row); below it one head per warp,
-// as many warps as heads in flight (a decode step's few tokens are latency-bound: 4 heads a warp took 3.3 us at one
+// Heads of one token per warp from this many tokens on (they share its cos / sin row): rope_cache_wide_kernel, or
+// rope_cache_kernel with HPW 4 for the shapes and caches the wide one does not take. Below it one head per warp, as
+// many warps as heads in flight (a decode step's few tokens are latency-bound: 4 heads a warp took 3.3 us at one
 // token against 1.9).
 constexpr int64_t kRopeGroupFrom = 512;
 
@@ -30,6 +38,8 @@ constexpr int64_t kRopeGroupFrom = 512;
 // group (read per head, those table reads were 3x the qkv bytes at head_dim 128; HPW 4 from kRopeGroupFrom tokens).
 // Lane l holds VEC consecutive pairs (i, i + d/2), i = VEC l + 32 VEC p + v, so the rotate_half partner is in the same
 // thread and every load and store moves VEC elements (VEC = 2 when d/2 is even). STEPS = ceil(d/2 / (32 VEC)).
+// The decode path (T < kRopeGroupFrom), and from there on FP8 caches and shapes without whole 16-byte chunks; its
+// arithmetic (the sum of squares' order included) is the reference that rope_cache_wide_kernel reproduces.
 template <typename T, typename C, int STEPS, int VEC, int HPW, bool F8>
 __global__ void rope_cache_kernel(T* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache,
                                   float* __restrict__ k_scale, float* __restrict__ v_scale, const T* __restrict__ qkv, const int64_t* __restrict__ positions,
@@ -186,16 +196,260 @@ __global__ void rope_cache_kernel(T* __restrict__ q_out, void* __restrict__ k_ca
   }
 }
 
+// ---------------------------------------------------------------- the wide path (large T)
+// Lanes per head and elements per lane and step: lane j of a head holds, for each step p, the chunk of 8 elements
+// i = 8 j + 64 p + e (e < 8) and their rotate_half partners i + d/2, so a bf16 / fp16 chunk is one 16-byte access.
+// Shapes: d/2 a multiple of 8 (whole chunks, 16-byte aligned rows), d <= 256 (STEPS = ceil(d/2 / 64) <= 2).
+constexpr int kWideLanes = 8;
+constexpr int kWideWarps = 8;  // warps per block: a block's units span about one token's head groups (shared rows)
+
+// A chunk of 8 elements of T or C as 16-byte pieces (2 for float).
+template <typename X>
+struct Chunk {
+  static constexpr int kPieces = 8 * (int)sizeof(X) / 16;
+  uint4 p[kPieces];
+};
+
+// qkv is read once: its 16-byte loads skip L1 (L1::no_allocate), which so keeps the cos / sin rows that every warp
+// of a token reads. Volatile: kept after pdl_wait().
+__device__ __forceinline__ uint4 ld_stream16(const void* ptr) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(ptr));
+  return r;
+}
+
+// Brings the line of `ptr` into L1 without holding a register for it (volatile: kept after pdl_wait()).
+__device__ __forceinline__ void prefetch_l1(const void* ptr) { asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr)); }
+
+template <typename X>
+__device__ __forceinline__ Chunk<X> ld_chunk_stream(const X* ptr) {
+  Chunk<X> c;
+#pragma unroll
+  for (int k = 0; k < Chunk<X>::kPieces; ++k) c.p[k] = ld_stream16(reinterpret_cast<const uint4*>(ptr) + k);
+  return c;
+}
+
+template <typename X>
+__device__ __forceinline__ Chunk<X> ld_chunk(const X* __restrict__ ptr) {
+  Chunk<X> c;
+#pragma unroll
+  for (int k = 0; k < Chunk<X>::kPieces; ++k) c.p[k] = __ldg(reinterpret_cast<const uint4*>(ptr) + k);
+  return c;
+}
+
+// Element e of a chunk as float (to_f of it: exact). memcpy: the bits move between types without aliasing them.
+template <typename X>
+__device__ __forceinline__ float chunk_f(const Chunk<X>& c, int e) {
+  X x;
+  memcpy(&x, reinterpret_cast<const char*>(c.p) + e * sizeof(X), sizeof(X));
+  return to_f<X>(x);
+}
+
+template <typename X>
+__device__ __forceinline__ void st_chunk(X* ptr, const float (&f)[8]) {
+  Chunk<X> c;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const X x = from_f<X>(f[e]);
+    memcpy(reinterpret_cast<char*>(c.p) + e * sizeof(X), &x, sizeof(X));
+  }
+#pragma unroll
+  for (int k = 0; k < Chunk<X>::kPieces; ++k) reinterpret_cast<uint4*>(ptr)[k] = c.p[k];
+}
+
+// The head's sum of squares as rope_cache_kernel's warp_sum forms it, bit for bit. There lane l (of 32) holds the
+// pairs i = 2 l + 64 p + v, here lane j (of the head's 8) holds those of its lanes 4 j + m, m < 4: part[m] is lane
+// 4 j + m's partial sum, added in its order (p, then v). warp_sum's butterfly adds lanes l and l ^ o for o = 16, 8,
+// 4, 2, 1: bits 4..2 of l are bits 2..0 of j, bits 1..0 are m's. So: o = 16, 8, 4 are xor-4, 2, 1 shuffles over j,
+// each lane keeping half of what is left of m (the other half sent to its partner, who keeps it), 4 values to 1;
+// then o = 2 (m ^ 2, now held by lane j ^ 4) and o = 1 (m ^ 1, by lane j ^ 2). Each step adds the same two floats as
+// warp_sum's (a + b == b + a), so the result is its float; 6 shuffles for 4 heads, where warp_sum takes 5 per head.
+__device__ __forceinline__ float head_sum_of_squares(const float (&part)[4], int j) {
+  constexpr unsigned all = 0xffffffffu;
+  const bool hi = j & 4, mid = j & 2;
+  const float a0 = __fadd_rn(hi ? part[2] : part[0], __shfl_xor_sync(all, hi ? part[0] : part[2], 4));
+  const float a1 = __fadd_rn(hi ? part[3] : part[1], __shfl_xor_sync(all, hi ? part[1] : part[3], 4));
+  const float b = __fadd_rn(mid ? a1 : a0, __shfl_xor_sync(all, mid ? a0 : a1, 2));  // m = (hi ? 2 : 0) + (mid ? 1 : 0)
+  const float c = __fadd_rn(b, __shfl_xor_sync(all, b, 1));
+  const float e = __fadd_rn(c, __shfl_xor_sync(all, c, 4));
+  return __fadd_rn(e, __shfl_xor_sync(all, e, 2));
+}
+
+// One warp per (token, group of 4 consecutive heads), as rope_cache_kernel's HPW = 4 path (the token's cos / sin row
+// read once per group), but 8 lanes a head: lane 8 g + j holds head hd0 + g's chunks (see kWideLanes), the 4 heads
+// normed and rotated at once. Per lane and step (bf16 / fp16; float: twice the 16-byte pieces): 2 16-byte loads of
+// qkv, 2 of the norm weight, 4 chunks of cos / sin (the same for the group's 4 heads), 2 16-byte stores. The
+// arithmetic is rope_cache_kernel's, in the same order with the same rounding, its fused multiply-adds spelled out
+// as that kernel's compiled code has them (fma(x1, x1, x2 x2) in the sum of squares, fma(a, c1, -(b s1)) and
+// fma(b, c2, a s2) in the rotation): the outputs are the same bits. At most 64 registers at one step: 32 warps an SM.
+template <typename T, typename C, int STEPS>
+__global__ void __launch_bounds__(kWideWarps * 32, STEPS == 1 ? 4 : 2)
+    rope_cache_wide_kernel(T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
+                           const T* __restrict__ qkv, const int64_t* __restrict__ positions,
+                           const int64_t* __restrict__ slots, const C* __restrict__ cos_t,
+                           const C* __restrict__ sin_t, const T* __restrict__ qw, const T* __restrict__ kw,
+                           int64_t tokens, int h, int kvh, int d, int block_size, int64_t max_pos, bool qk_norm,
+                           float eps) {
+  pdl_trigger();
+  pdl_wait();
+  // 32-bit unit arithmetic: the host takes this kernel only while tokens x groups < 2^31
+  const int heads = h + 2 * kvh, groups = (heads + 3) / 4;
+  const unsigned unit = blockIdx.x * kWideWarps + (threadIdx.x >> 5);
+  if (unit >= (unsigned)tokens * groups) return;  // the whole warp: the shuffles below see all 32 lanes
+  const int lane = threadIdx.x & 31, j = lane & (kWideLanes - 1);
+  const int64_t t = unit / (unsigned)groups;
+  const int hd0 = (int)(unit - (unsigned)t * groups) * 4;
+  const int hd = hd0 + lane / kWideLanes;
+  const int half = d >> 1;
+  const bool live = hd < heads;  // a group past the last head has idle lanes (they still shuffle)
+  const bool is_q = hd < h, is_k = !is_q && hd < h + kvh, rot = is_q || is_k;
+  const int64_t slot = live && !is_q ? slots[t] : -1;
+  Chunk<T> ra[STEPS], rb[STEPS];
+#pragma unroll
+  for (int p = 0; p < STEPS; ++p) {
+    const int i = kWideLanes * j + 64 * p;
+    if (live && i < half) {
+      const T* src = qkv + (t * heads + hd) * (int64_t)d + i;
+      ra[p] = ld_chunk_stream(src);
+      rb[p] = ld_chunk_stream(src + half);
+    }
+  }
+  // the norm weight's chunks, loaded with the rest (not after the sum: one latency less)
+  Chunk<T> w1[STEPS], w2[STEPS];
+  if (qk_norm && rot) {
+    const T* w = is_q ? qw : kw;
+#pragma unroll
+    for (int p = 0; p < STEPS; ++p) {
+      const int i = kWideLanes * j + 64 * p;
+      if (i < half) {
+        w1[p] = ld_chunk(w + i);
+        w2[p] = ld_chunk(w + i + half);
+      }
+    }
+  }
+  const bool rotates = hd0 < h + kvh;  // the group rotates a head (uniform over the warp)
+  int64_t pos = rotates ? positions[t] : 0;
+  pos = pos < 0 ? 0 : (pos >= max_pos ? max_pos - 1 : pos);
+  if (rotates && qk_norm) {
+    // cos / sin are read after the norm (fewer registers live across it: 64 with 32 warps an SM); their lines are
+    // requested before it, so the table's L2 / DRAM latency overlaps the norm's sums and shuffles
+#pragma unroll
+    for (int p = 0; p < STEPS; ++p) {
+      const int i = kWideLanes * j + 64 * p;
+      if (i < half) {
+        prefetch_l1(cos_t + pos * d + i);
+        prefetch_l1(cos_t + pos * d + i + half);
+        prefetch_l1(sin_t + pos * d + i);
+        prefetch_l1(sin_t + pos * d + i + half);
+      }
+    }
+  }
+  float x1[STEPS][8], x2[STEPS][8];
+#pragma unroll
+  for (int p = 0; p < STEPS; ++p) {
+    const bool in = live && kWideLanes * j + 64 * p < half;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      x1[p][e] = in ? chunk_f(ra[p], e) : 0.f;
+      x2[p][e] = in ? chunk_f(rb[p], e) : 0.f;
+    }
+  }
+  if (qk_norm) {  // every lane, v heads' and idle ones too: the shuffles need the whole warp
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int p = 0; p < STEPS; ++p)
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int v = 0; v < 2; ++v) {
+          const float a = x1[p][2 * m + v], b = x2[p][2 * m + v];
+          part[m] = __fadd_rn(part[m], __fmaf_rn(a, a, __fmul_rn(b, b)));
+        }
+    const float ss = head_sum_of_squares(part, j);
+    if (rot) {
+      const float inv = rsqrtf(ss / (float)d + eps);
+#pragma unroll
+      for (int p = 0; p < STEPS; ++p) {
+        if (kWideLanes * j + 64 * p < half) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            x1[p][e] = round_to<T>(__fmul_rn(round_to<T>(__fmul_rn(x1[p][e], inv)), chunk_f(w1[p], e)));
+            x2[p][e] = round_to<T>(__fmul_rn(round_to<T>(__fmul_rn(x2[p][e], inv)), chunk_f(w2[p], e)));
+          }
+        }
+      }
+    }
+  }
+  if (!live) return;
+  if (rot) {
+    // cos / sin: prefetched above, shared by the token's warps
+#pragma unroll
+    for (int p = 0; p < STEPS; ++p) {
+      const int i = kWideLanes * j + 64 * p;
+      if (i < half) {
+        const Chunk<C> c1 = ld_chunk(cos_t + pos * d + i), c2 = ld_chunk(cos_t + pos * d + i + half);
+        const Chunk<C> s1 = ld_chunk(sin_t + pos * d + i), s2 = ld_chunk(sin_t + pos * d + i + half);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float a = x1[p][e], b = x2[p][e];
+          // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+          x1[p][e] = __fmaf_rn(a, chunk_f(c1, e), -__fmul_rn(b, chunk_f(s1, e)));
+          x2[p][e] = __fmaf_rn(b, chunk_f(c2, e), __fmul_rn(a, chunk_f(s2, e)));
+        }
+      }
+    }
+  }
+  T* dst;
+  if (is_q) {
+    dst = q_out + (t * h + hd) * (int64_t)d;
+  } else {
+    if (slot < 0) return;  // padded tokens write no cache row
+    const int jh = is_k ? hd - h : hd - h - kvh;
+    const unsigned sl = (unsigned)slot, bsz = (unsigned)block_size;  // a cache of 2^32 slots would not fit in memory
+    const int64_t row = ((int64_t)(sl / bsz) * kvh + jh) * block_size + sl % bsz;
+    dst = (is_k ? k_cache : v_cache) + row * d;
+  }
+#pragma unroll
+  for (int p = 0; p < STEPS; ++p) {
+    const int i = kWideLanes * j + 64 * p;
+    if (i < half) {
+      st_chunk(dst + i, x1[p]);
+      st_chunk(dst + i + half, x2[p]);
+    }
+  }
+}
+
 template <typename T, typename C, bool F8>
 void launch_rope(T* q, void* kc, void* vc, float* ksc, float* vsc, const T* qkv, const int64_t* pos, const int64_t* slots, const C* cs, const C* sn,
                  const T* qw, const T* kw, int64_t tokens, int h, int kvh, int d, int bs, int64_t max_pos, bool norm,
                  float eps, cudaStream_t s) {
   if (tokens == 0) return;
+  const int half = d / 2;
+  if constexpr (!F8) {
+    // the wide path: whole 16-byte chunks (d/2 a multiple of 8 elements, every base 16-byte aligned, as fresh
+    // tensors are) and 32-bit unit numbers; the rest (and FP8 caches) take rope_cache_kernel's HPW 4 path
+    const int64_t units = tokens * ceil_div(h + 2 * kvh, 4);
+    if (tokens >= kRopeGroupFrom && half % 8 == 0 && units < (int64_t{1} << 31) && aligned16(q) && aligned16(kc) &&
+        aligned16(vc) && aligned16(qkv) && aligned16(cs) && aligned16(sn) &&
+        (!norm || (aligned16(qw) && aligned16(kw)))) {
+      const unsigned blocks = (unsigned)ceil_div(units, kWideWarps);
+      T* kt = static_cast<T*>(kc);
+      T* vt = static_cast<T*>(vc);
+#define FDL_ROPE_W(STEPS)                                                                                          \
+  launch("rope_cache_wide_kernel", rope_cache_wide_kernel<T, C, STEPS>, blocks, kWideWarps * 32, 0, s,             \
+         pdl_rows(tokens), q, kt, vt, qkv, pos, slots, cs, sn, qw, kw, tokens, h, kvh, d, bs, max_pos, norm, eps)
+      if (half <= 64) FDL_ROPE_W(1);
+      else FDL_ROPE_W(2);
+#undef FDL_ROPE_W
+      return;
+    }
+  }
   const int warps = 4;
   const int hpw = tokens >= kRopeGroupFrom ? 4 : 1;
   const int64_t units = tokens * ceil_div(h + 2 * kvh, hpw);
   const unsigned blocks = (unsigned)ceil_div(units, warps);
-  const int half = d / 2;
 #define FDL_ROPE_H(STEPS, VEC, HPW)                                                                                 \
   launch("rope_cache_kernel", rope_cache_kernel<T, C, STEPS, VEC, HPW, F8>, blocks, warps * 32, 0, s, pdl_rows(tokens), q, kc, vc, ksc, vsc, qkv, pos, slots, cs, sn, qw, kw, \
                                                             tokens, h, kvh, d, bs, max_pos, norm, eps)
