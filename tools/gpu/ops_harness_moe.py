@@ -361,7 +361,7 @@ ROUTERS = [("Qwen3-30B-A3B", 128, 8, "bfloat16", False, 0.0), ("ERNIE-4.5-21B-A3
 
 def bench_route(h):
     """fdl_moe_route alone (renormalised, as both models route) at decode and prefill token counts: GPU time per call
-    from graph replays of 50 calls, each on its own logits (so no call reads what the one before left in L1)."""
+    from graph replays of 52 calls, cycling over 4 logits buffers."""
     G, rng, to_gpu = h.G, h.rng, h.to_gpu
     out = []
     for name, E, k, dt, bias, norm_min in ROUTERS:

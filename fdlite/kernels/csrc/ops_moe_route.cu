@@ -26,11 +26,12 @@
 // its head is its best expert not taken yet, the lower id first among equal values. Each of the k rounds is
 // then two warp reductions (redux.sync on sm_80+): the largest head key, and the smallest id among the lanes
 // whose head has it (equal values go to the lower expert id, as before); the winner's p comes from its lane by
-// one shuffle and only that lane pops its head. (Shared-memory slots: a lane keeps its best slot not taken,
-// and only the winner's lane rescans its slots.) The first version rescanned every slot of every lane and ran
-// a 5-step (value, id) shuffle arg-max each round, through shared memory, then lane 0 stored and renormalised
-// the k weights one by one. Now lane j % 32 keeps the j-th choice, and k lanes store at once (in chunks of
-// 32 when k > 32), dividing by the renormalising total (the chosen p summed in choice order, as before).
+// one shuffle (without a bias from the top key itself, p's own bits), and only that lane pops its head.
+// (Shared-memory slots: a lane keeps its best slot not taken, and only the winner's lane rescans its slots.)
+// The first version rescanned every slot of every lane and ran a 5-step (value, id) shuffle arg-max each
+// round, through shared memory, then lane 0 stored and renormalised the k weights one by one. Now lane j % 32
+// keeps the j-th choice, and k lanes store at once (in chunks of 32 when k > 32), dividing by the
+// renormalising total (the chosen p summed in choice order, as before).
 //
 // NaN: a NaN choosing value ranks below every number, -inf included, and among NaNs the lower expert id comes
 // first. NaN appears for a NaN bias entry, and in every p of a row holding a NaN or +inf logit or only -inf
@@ -77,14 +78,22 @@ __device__ __forceinline__ unsigned warp_min_u32(unsigned v) {
 }
 
 // A lane's experts in registers (S per lane, E <= 32 S), sorted once by key, largest first, by a stable sort
-// (odd-even transposition: equal keys keep their order, the lower id first); a round takes the head.
-template <int S>
+// (odd-even transposition: equal keys keep their order, the lower id first); a round takes the head. Without a
+// bias the key is p's own bits (p >= +0: key = bits | 0x80000000, NaN -> 1), so the winner's weight comes from
+// the warp's top key and the lane keeps no p: fewer registers, one shuffle less per round.
+template <int S, bool kBias>
 struct RegLane {
-  float p[S];
   unsigned key[S], id[S];  // key 0: no expert (past E, or taken)
+  float p[kBias ? S : 1];
   __device__ __forceinline__ unsigned head_key() const { return key[0]; }
   __device__ __forceinline__ unsigned head_id() const { return id[0]; }
-  __device__ __forceinline__ float head_p() const { return p[0]; }
+  __device__ __forceinline__ float weight(unsigned top, unsigned win) const {
+    if constexpr (kBias) {
+      return __shfl_sync(0xffffffffu, p[0], win & 31);
+    } else {
+      return __uint_as_float(top == 1u ? 0x7fffffffu : top & 0x7fffffffu);
+    }
+  }
   __device__ __forceinline__ void sort() {
 #pragma unroll
     for (int r = 0; r < S; ++r) {
@@ -92,16 +101,23 @@ struct RegLane {
       for (int i = r & 1; i + 1 < S; i += 2) {
         if (key[i + 1] > key[i]) {
           const unsigned k0 = key[i], i0 = id[i];
-          const float p0 = p[i];
-          key[i] = key[i + 1], id[i] = id[i + 1], p[i] = p[i + 1];
-          key[i + 1] = k0, id[i + 1] = i0, p[i + 1] = p0;
+          key[i] = key[i + 1], id[i] = id[i + 1];
+          key[i + 1] = k0, id[i + 1] = i0;
+          if constexpr (kBias) {
+            const float p0 = p[i];
+            p[i] = p[i + 1];
+            p[i + 1] = p0;
+          }
         }
       }
     }
   }
   __device__ __forceinline__ void pop() {
 #pragma unroll
-    for (int i = 0; i + 1 < S; ++i) key[i] = key[i + 1], id[i] = id[i + 1], p[i] = p[i + 1];
+    for (int i = 0; i + 1 < S; ++i) {
+      key[i] = key[i + 1], id[i] = id[i + 1];
+      if constexpr (kBias) p[i] = p[i + 1];
+    }
     key[S - 1] = 0;
   }
 };
@@ -117,7 +133,9 @@ struct SmemLane {
   float bp = 0.f;
   __device__ __forceinline__ unsigned head_key() const { return bk; }
   __device__ __forceinline__ unsigned head_id() const { return bid; }
-  __device__ __forceinline__ float head_p() const { return bp; }
+  __device__ __forceinline__ float weight(unsigned, unsigned win) const {
+    return __shfl_sync(0xffffffffu, bp, win & 31);
+  }
   __device__ __forceinline__ void scan() {  // the largest key, the lowest slot among equal keys
     bk = 0;
     for (int b = 0; b < n; ++b) {
@@ -136,7 +154,7 @@ struct SmemLane {
 };
 
 // The k rounds and the stores: each round the largest head key of the warp, the lowest id among the lanes holding
-// it, its p by one shuffle; the winner's lane pops its head. Lane c keeps choice j0 + c of each chunk of 32.
+// it, its p (`weight`); the winner's lane pops its head. Lane c keeps choice j0 + c of each chunk of 32.
 template <typename Lane>
 __device__ __forceinline__ void route_select(Lane& ln, int lane, int k, bool renormalize, float norm_min,
                                              int* __restrict__ tid, float* __restrict__ tw) {
@@ -149,7 +167,7 @@ __device__ __forceinline__ void route_select(Lane& ln, int lane, int k, bool ren
       // an expert is left (k <= E), so top >= 1: lanes with none left (head key 0) never offer their id
       const unsigned top = warp_max_u32(ln.head_key());
       const unsigned win = warp_min_u32(ln.head_key() == top ? ln.head_id() : 0xffffffffu);
-      const float w = __shfl_sync(0xffffffffu, ln.head_p(), win & 31);
+      const float w = ln.weight(top, win);
       total += w;  // in choice order, as every lane sees the same w
       if (lane == c) {
         my_id = (int)win;
@@ -173,8 +191,9 @@ __device__ __forceinline__ void route_select(Lane& ln, int lane, int k, bool ren
   }
 }
 
-// S > 0: S experts per lane in registers (E <= 32 S); S == 0: in shared memory (2 E floats per warp).
-template <typename L, int S>
+// S > 0: S experts per lane in registers (E <= 32 S); S == 0: in shared memory (2 E floats per warp). kBias:
+// whether `bias` is given (S == 0: read at run time).
+template <typename L, int S, bool kBias>
 __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const L* __restrict__ logits,
                                                                     const float* __restrict__ bias, int T, int E,
                                                                     int k, bool renormalize, float norm_min,
@@ -200,26 +219,35 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const L* __
   if constexpr (S > 0) {
     // Slots past n hold -inf: fmaxf keeps the max, and their expf(-inf - max) = +0 adds nothing to the sum (when
     // the max is -inf or +inf the row's p are NaN whatever they add). Their keys are 0.
-    RegLane<S> ln;
+    RegLane<S, kBias> ln;
+    float v[S], bv[kBias ? S : 1];
+#pragma unroll
+    for (int b = 0; b < S; ++b) {  // the bias with the logits: one memory latency, not two
+      v[b] = b < n ? to_f<L>(row[32 * b]) : -CUDART_INF_F;
+      if constexpr (kBias) bv[b] = b < n ? bias[lane + 32 * b] : 0.f;
+    }
     float mx = -CUDART_INF_F;
 #pragma unroll
-    for (int b = 0; b < S; ++b) {
-      ln.p[b] = b < n ? to_f<L>(row[32 * b]) : -CUDART_INF_F;
-      mx = fmaxf(mx, ln.p[b]);
-    }
+    for (int b = 0; b < S; ++b) mx = fmaxf(mx, v[b]);
     mx = warp_max(mx);
     float sum = 0.f;
 #pragma unroll
     for (int b = 0; b < S; ++b) {
-      ln.p[b] = expf(ln.p[b] - mx);
-      sum += ln.p[b];
+      v[b] = expf(v[b] - mx);
+      sum += v[b];
     }
     sum = warp_sum(sum);
 #pragma unroll
     for (int b = 0; b < S; ++b) {
-      const float p = ln.p[b] / sum;
-      ln.p[b] = p;
-      ln.key[b] = b < n ? route_key(bias != nullptr ? p + bias[lane + 32 * b] : p) : 0u;
+      const float p = v[b] / sum;  // past n: +0 (or NaN), its key replaced by 0 below
+      unsigned key;
+      if constexpr (kBias) {
+        ln.p[b] = p;
+        key = route_key(p + bv[b]);
+      } else {
+        key = p != p ? 1u : __float_as_uint(p) | 0x80000000u;  // route_key(p) for p >= +0 (or NaN)
+      }
+      ln.key[b] = b < n ? key : 0u;
       ln.id[b] = lane + 32 * b;
     }
     ln.sort();
@@ -264,16 +292,17 @@ void launch_route(const char* op, int64_t T, int64_t E, cudaStream_t s, const L*
            renormalize, norm_min, balanced, ids, w);
   };
   static_assert(kRouteMaxRegSlots == 8, "the cases below");
+  const bool b = bias != nullptr;
   if (slots <= 1) {
-    go(moe_route_kernel<L, 1>, 0);
+    go(b ? moe_route_kernel<L, 1, true> : moe_route_kernel<L, 1, false>, 0);
   } else if (slots <= 2) {
-    go(moe_route_kernel<L, 2>, 0);
+    go(b ? moe_route_kernel<L, 2, true> : moe_route_kernel<L, 2, false>, 0);
   } else if (slots <= 4) {
-    go(moe_route_kernel<L, 4>, 0);
+    go(b ? moe_route_kernel<L, 4, true> : moe_route_kernel<L, 4, false>, 0);
   } else if (slots <= 8) {
-    go(moe_route_kernel<L, 8>, 0);
+    go(b ? moe_route_kernel<L, 8, true> : moe_route_kernel<L, 8, false>, 0);
   } else {
-    go(moe_route_kernel<L, 0>, (size_t)kRouteWarps * 2 * E * sizeof(float));  // at most 32 KiB
+    go(moe_route_kernel<L, 0, true>, (size_t)kRouteWarps * 2 * E * sizeof(float));  // at most 32 KiB
   }
 }
 
