@@ -14,7 +14,8 @@ CHUNK = 512  # entries per count / scatter block (moe_align.cuh's kChunk)
 def route(logits: np.ndarray, top_k: int, renormalize: bool, norm_min: float = 0.0, bias: np.ndarray | None = None,
           balanced: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(ids [T, k] int32, weights [T, k] float32): fp32 softmax, top-k of scores (+ bias) with equal values to the
-    lower id, weights the plain scores, renormalised in choice order."""
+    lower id and NaN after every number (in id order, as the kernel), weights the plain scores, renormalised in
+    choice order."""
     t, e = logits.shape
     if balanced:
         ids = (np.arange(t * top_k) % e).reshape(t, top_k).astype(np.int32)

@@ -1661,6 +1661,7 @@ if not ARGS.no_bench:
                                                      for hd in ((16, 8), (32, 8), (32, 4))), [])),
                ("gemm", bench_gemm), ("elementwise", bench_small), ("sampling", bench_sampling),
                ("host_overhead", bench_host),
+               ("moe_route", lambda: ops_harness_moe.bench_route(sys.modules[__name__])),
                ("moe_decode", lambda: ops_harness_moe.bench_decode(sys.modules[__name__])),
                ("moe_prefill", lambda: ops_harness_moe.bench_prefill(sys.modules[__name__])))
     for name, fn in benches:

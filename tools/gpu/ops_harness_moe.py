@@ -5,6 +5,7 @@ MoE layer micro-benchmark. `checks(h)` and `bench_*(h)` take the harness module 
 
     python3 tools/gpu/ops_harness.py --checks moe --no-bench          # the checks only
     python3 tools/gpu/ops_harness.py --only moe_decode,moe_prefill    # the benchmarks only
+    python3 tools/gpu/ops_harness.py --checks moe_route --only moe_route  # the router: its checks and benchmark
 """
 from __future__ import annotations
 
@@ -67,6 +68,104 @@ def checks(h) -> None:
                 check(f"moe_route {dt} T={T} E={E} k={k} bias={bias} renormalize={renorm}", t_route(T, E, k, dt, bias, renorm))
     check("moe_route float32 exact ties -> lower expert ids, T=64 E=64 k=8", t_route(64, 64, 8, "float32", False, True, True))
     check("moe_route bfloat16 exact ties (bf16 logits) T=64 E=128 k=8", t_route(64, 128, 8, "bfloat16", False, False, True))
+    # E on each side of the kernel's register / shared-memory boundaries (1, 2, 4, 8 experts per lane in registers,
+    # then shared memory past 256), k past 32 (choices stored in chunks of 32, renormalised after)
+    for T, E, k in ((33, 7, 3), (33, 33, 8), (33, 65, 6), (33, 129, 8), (33, 256, 8), (33, 257, 8), (9, 1024, 8),
+                    (9, 1024, 40), (33, 128, 40)):
+        check(f"moe_route bfloat16 T={T} E={E} k={k} bias=True renormalize=True",
+              t_route(T, E, k, "bfloat16", True, True))
+
+    def route_exact_want(b, k, scores, norm_min):
+        """ids and weights the kernel must give, bit for bit, from its own fp32 scores (every expert's p): the
+        stable descending order of p (+ bias) in float32, NaN after every number (-inf included) in id order; the
+        weights the chosen p divided by their float32 sum in choice order (floored at norm_min)."""
+        choose = scores if b is None else scores + b.reshape(1, -1)
+        ids = np.argsort(-choose, axis=1, kind="stable")[:, :k]  # argsort puts NaN last, in index order
+        w = np.take_along_axis(scores, ids, axis=1)
+        total = np.zeros(len(w), np.float32)
+        for j in range(k):
+            total += w[:, j]
+        d = np.maximum(total, np.float32(norm_min)) if norm_min > 0 else total
+        return ids.astype(np.int32), (w / d[:, None]).astype(np.float32)
+
+    def t_route_exact(T, E, k, dt, bias, kind="normal"):
+        """Bitwise: the kernel's every score (k = E, no renormalisation: the weights are the fp32 p), checked
+        against the float64 softmax; then its ids and renormalised weights at k against `route_exact_want` on those
+        scores. kind: normal; ties (logits in {0, 1, 2}, bias a multiple of 2^-10); nan (NaN / +inf / -inf
+        entries and rows of -inf only, NaN bias entries: the ids must still be k distinct experts)."""
+        def f():
+            if kind == "ties":
+                logits = rng.integers(0, 3, (T, E)).astype(np.float32)
+                b = (rng.integers(-2, 3, E) / 1024).astype(np.float32) if bias else None
+            else:
+                logits = q(rng.standard_normal((T, E)) * 3, dt)
+                b = (rng.standard_normal(E) * 0.05).astype(np.float32) if bias else None
+            if kind == "nan":  # rows: a NaN, a +inf, -inf only, mostly -inf (ties of p = 0); -inf here and there
+                r, col = rng.random(T), rng.integers(0, E, T)
+                rows = np.arange(T)
+                logits[rows[r < 0.1], col[r < 0.1]] = np.nan
+                logits[rows[(r >= 0.1) & (r < 0.2)], col[(r >= 0.1) & (r < 0.2)]] = np.inf
+                logits[(r >= 0.2) & (r < 0.3)] = -np.inf
+                logits[((r >= 0.3) & (r < 0.5))[:, None] & (rng.random((T, E)) < 0.9)] = -np.inf
+                logits[rng.random((T, E)) < 0.05] = -np.inf
+                if b is not None:
+                    b[rng.random(E) < 0.1] = np.nan
+                    b[0] = -np.inf
+            lg = to_gpu(logits, dt)
+            bg = None if b is None else to_gpu(b, "float32")
+            ids_all, p_all = G.moe_route(lg, E, False, 0.0, bg)
+            ids, w = G.moe_route(lg, k, True, 1e-12, bg)
+            sync()
+            ids_all, p_all, ids, w = to_np(ids_all), to_np(p_all), to_np(ids), to_np(w)
+            perm = np.array_equal(np.sort(ids_all, axis=1), np.tile(np.arange(E), (T, 1)))
+            if not perm:
+                return False, math.inf, 0, "k = E: the ids of a row are not a permutation of the experts"
+            scores = np.zeros((T, E), np.float32)
+            np.put_along_axis(scores, ids_all.astype(np.int64), p_all, axis=1)
+            _, ref_p = ref.route(logits, E, False, 0.0, None)  # every p, in descending order of p
+            ref_p = np.sort(ref_p, axis=1)
+            err = relerr(np.sort(scores, axis=1), ref_p)
+            want_all, _ = route_exact_want(b, E, scores, 0.0)
+            want_ids, want_w = route_exact_want(b, k, scores, 1e-12)
+            finite = ~np.isnan(want_w).any(axis=1)
+            ok_ids = np.array_equal(ids_all, want_all) and np.array_equal(ids, want_ids)
+            ok_w = np.array_equal(w[finite].view(np.uint32), want_w[finite].view(np.uint32))
+            ok_nan = bool(np.isnan(w[~finite]).all())
+            bad = np.flatnonzero((ids != want_ids).any(axis=1) | (ids_all != want_all).any(axis=1))
+            ok = ok_ids and ok_w and ok_nan and (err <= 2e-6 or kind == "nan")
+            return ok, err, 2e-6, (f"rows with other ids: {bad[:5].tolist()}; weights bitwise {ok_w}; NaN-weight rows "
+                                   f"{int((~finite).sum())}")
+        return f
+
+    # the two models' routers at a prefill's T (many blocks), then each kernel variant (experts per lane 1, 2, 4, 8
+    # in registers, shared memory) with k past 32 on some
+    for T, E, k, dt, bias in ((8192, 128, 8, "bfloat16", False), (8192, 64, 6, "float32", True),
+                              (300, 7, 3, "float16", True), (300, 33, 8, "bfloat16", True),
+                              (300, 129, 8, "float32", False), (300, 256, 40, "bfloat16", True),
+                              (100, 257, 8, "float32", True), (40, 1024, 33, "bfloat16", False)):
+        for kind in ("normal", "ties", "nan"):
+            check(f"moe_route exact vs its own scores, {kind}: {dt} T={T} E={E} k={k} bias={bias}",
+                  t_route_exact(T, E, k, dt, bias, kind))
+
+    def t_route_alone(dt, E, k, T=8192):
+        """A token alone gives what it gets in a batch of T, bitwise."""
+        def f():
+            logits = q(rng.standard_normal((T, E)) * 2, dt)
+            b = to_gpu((rng.standard_normal(E) * 0.05).astype(np.float32), "float32")
+            ids, w = G.moe_route(to_gpu(logits, dt), k, True, 1e-12, b)
+            ids, w = to_np(ids), to_np(w)
+            rows = [0, 1, T // 2 + 3, T - 1]
+            ok = True
+            for r in rows:
+                i1, w1 = G.moe_route(to_gpu(logits[r:r + 1], dt), k, True, 1e-12, b)
+                ok &= np.array_equal(to_np(i1)[0], ids[r])
+                ok &= np.array_equal(to_np(w1)[0].view(np.uint32), w[r].view(np.uint32))
+            return ok, 0.0 if ok else math.inf, 0, f"rows {rows}"
+        return f
+
+    check("moe_route bfloat16: a token alone = in a batch of 8192, bitwise (E=128 k=8)",
+          t_route_alone("bfloat16", 128, 8))
+    check("moe_route float32: a token alone = in a batch of 8192, bitwise (E=64 k=6)", t_route_alone("float32", 64, 6))
 
     def t_align(T, E, k, bm, kind):
         def f():
@@ -254,6 +353,35 @@ def _layer_case(h, name, H, I, E, k, shared, T, sets=4, block_m=0):
           f"{row['TFLOP_s']:6.1f} TFLOP/s, {n_touched:5.1f} experts; roofline {row['roofline_us']} us "
           f"({row['frac_of_roofline']:.0%})")
     return row
+
+
+# (model, E, k, logits dtype, score-correction bias, norm_min): the two routers of SHAPES (ERNIE's gate in float32)
+ROUTERS = [("Qwen3-30B-A3B", 128, 8, "bfloat16", False, 0.0), ("ERNIE-4.5-21B-A3B", 64, 6, "float32", True, 1e-12)]
+
+
+def bench_route(h):
+    """fdl_moe_route alone (renormalised, as both models route) at decode and prefill token counts: GPU time per call
+    from graph replays of 52 calls, cycling over 4 logits buffers."""
+    G, rng, to_gpu = h.G, h.rng, h.to_gpu
+    out = []
+    for name, E, k, dt, bias, norm_min in ROUTERS:
+        b = to_gpu((rng.standard_normal(E) * 0.05).astype(np.float32), "float32") if bias else None
+        for T in (1, 64, 1024, 8192):
+            sets = 4
+            lgs = [to_gpu(h.q(rng.standard_normal((T, E)) * 2, dt), dt) for _ in range(sets)]
+            i = [0]
+
+            def fn():
+                G.moe_route(lgs[i[0] % sets], k, True, norm_min, b)
+                i[0] += 1
+            us = h.graph_time_us(fn, per_graph=52, replays=7)
+            nbytes = T * E * (4 if dt == "float32" else 2)
+            row = {"model": name, "E": E, "k": k, "dtype": dt, "bias": bias, "T": T, "us": round(us, 2),
+                   "ns_per_token": round(us * 1e3 / T, 2), "GB_s": round(nbytes / us / 1e3)}
+            out.append(row)
+            h.log(f"  moe_route {name:18s} E={E:3d} k={k} {dt:8s} bias={bias!s:5s} T={T:5d}: {us:8.2f} us "
+                  f"({row['ns_per_token']:8.2f} ns/token, {row['GB_s']:5d} GB/s of logits)")
+    return out
 
 
 PEAK_BF16 = 989e12  # H100 SXM dense bf16 (wgmma); mma.sync kernels reach a fraction of it
