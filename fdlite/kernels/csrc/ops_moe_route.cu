@@ -28,10 +28,10 @@
 // whose head has it (equal values go to the lower expert id, as before); the winner's p comes from its lane by
 // one shuffle (without a bias from the top key itself, p's own bits), and only that lane pops its head.
 // (Shared-memory slots: a lane keeps its best slot not taken, and only the winner's lane rescans its slots.)
-// The first version rescanned every slot of every lane and ran a 5-step (value, id) shuffle arg-max each
-// round, through shared memory, then lane 0 stored and renormalised the k weights one by one. Now lane j % 32
-// keeps the j-th choice, and k lanes store at once (in chunks of 32 when k > 32), dividing by the
-// renormalising total (the chosen p summed in choice order, as before).
+// Lane j % 32 keeps the j-th choice, and k lanes store at once (in chunks of 32 when k > 32), dividing by the
+// renormalising total (the chosen p summed in choice order). A 5-step (value, id) shuffle arg-max per round
+// over every slot, with lane 0 storing the k weights one by one, took 3.6x longer (22.7 vs 6.2 us for 8,192
+// tokens of Qwen3-30B-A3B, H100).
 //
 // NaN: a NaN choosing value ranks below every number, -inf included, and among NaNs the lower expert id comes
 // first. NaN appears for a NaN bias entry, and in every p of a row holding a NaN or +inf logit or only -inf

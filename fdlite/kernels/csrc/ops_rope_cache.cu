@@ -19,8 +19,8 @@
 // elements per access, for decode-sized batches (latency-bound), FP8 caches and shapes without whole 16-byte
 // chunks; and from kRopeGroupFrom tokens rope_cache_wide_kernel, 8 lanes a head, 4 heads a warp at once and 16-byte
 // accesses, for the memory-bound prefill pass (the first's 4-byte accesses and one head after another reached
-// about 64% of HBM bandwidth at 8k tokens of Qwen3-30B-A3B). Its q/k norm adds the sum of squares in the first
-// kernel's order, so the float is the same.
+// about 64% of HBM bandwidth at 8k tokens of Qwen3-30B-A3B under Nsight Compute; the op at 8,192 tokens, H100:
+// 81.6 -> 67.2 us). Its q/k norm adds the sum of squares in the first kernel's order, so the float is the same.
 #include <type_traits>
 
 #include "ops_common.cuh"
