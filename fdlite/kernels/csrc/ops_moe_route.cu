@@ -57,22 +57,17 @@ __device__ __forceinline__ unsigned route_key(float v) {
   return v != v ? 1u : key;
 }
 
-__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+// The warp's largest (MAX) or smallest unsigned: one redux.sync on sm_80+, a shuffle butterfly before.
+template <bool MAX>
+__device__ __forceinline__ unsigned warp_reduce_u32(unsigned v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(0xffffffffu, v);
+  return MAX ? __reduce_max_sync(0xffffffffu, v) : __reduce_min_sync(0xffffffffu, v);
 #else
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-#endif
-}
-
-__device__ __forceinline__ unsigned warp_min_u32(unsigned v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(0xffffffffu, v);
-#else
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = MAX ? max(v, w) : min(v, w);
+  }
   return v;
 #endif
 }
@@ -165,8 +160,8 @@ __device__ __forceinline__ void route_select(Lane& ln, int lane, int k, bool ren
     float my_w = 0.f;
     for (int c = 0; c < m; ++c) {
       // an expert is left (k <= E), so top >= 1: lanes with none left (head key 0) never offer their id
-      const unsigned top = warp_max_u32(ln.head_key());
-      const unsigned win = warp_min_u32(ln.head_key() == top ? ln.head_id() : 0xffffffffu);
+      const unsigned top = warp_reduce_u32<true>(ln.head_key());
+      const unsigned win = warp_reduce_u32<false>(ln.head_key() == top ? ln.head_id() : 0xffffffffu);
       const float w = ln.weight(top, win);
       total += w;  // in choice order, as every lane sees the same w
       if (lane == c) {
