@@ -693,10 +693,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kv-sizing-report-peak-not-activations",
-        "The startup report's KV sizing shows the profile's whole peak (weights included) as the activation peak",
+        "The profile's activation peak (KV sizing, graph reserve, startup report) is its whole peak, weights included",
         (Edit("fdlite/kvcache/sizing.py",
-              '"activation_peak_GiB": round((profile.peak_during - profile.allocated_before) / gib, 3),',
-              '"activation_peak_GiB": round(profile.peak_during / gib, 3),  # MUTATION'),),
+              '        return self.peak_during - self.allocated_before',
+              '        return self.peak_during  # MUTATION'),),
         ("tests/test_kv_sizing.py::test_sizing_report_gives_the_formula_s_terms",),
         "new",
     ),

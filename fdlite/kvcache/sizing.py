@@ -25,6 +25,11 @@ class MemoryProfile:
     temporary_kv_bytes: int   # the small cache the profiling run used
     profile_tokens: int       # tokens in the profiling forward
 
+    @property
+    def activation_peak(self) -> int:
+        """What the profiling forward held beyond what was there before it: its activations at the peak."""
+        return self.peak_during - self.allocated_before
+
 
 def graph_reserve_bytes(profile: MemoryProfile, largest_capture_tokens: int, num_graphs: int,
                         pooled_capture_tokens: int | None = None) -> int:
@@ -37,7 +42,7 @@ def graph_reserve_bytes(profile: MemoryProfile, largest_capture_tokens: int, num
     """
     if num_graphs == 0:
         return 0
-    activations = max(0, profile.peak_during - profile.allocated_before)
+    activations = max(0, profile.activation_peak)
     scale = min(1.0, largest_capture_tokens / max(1, profile.profile_tokens))
     if pooled_capture_tokens is not None:
         scale = pooled_capture_tokens / max(1, profile.profile_tokens)
@@ -49,7 +54,7 @@ def kv_cache_bytes(profile: MemoryProfile, gpu_memory_utilization: float, graph_
     return int(
         profile.total * gpu_memory_utilization
         - profile.used_after
-        - (profile.peak_during - profile.allocated_before)
+        - profile.activation_peak
         + profile.temporary_kv_bytes
         - graph_reserve
     )
@@ -62,7 +67,7 @@ def sizing_report(profile: MemoryProfile, gpu_memory_utilization: float, graph_r
     gib = float(1 << 30)
     return {"total_GiB": round(profile.total / gib, 3), "gpu_memory_utilization": gpu_memory_utilization,
             "used_after_profile_GiB": round(profile.used_after / gib, 3),
-            "activation_peak_GiB": round((profile.peak_during - profile.allocated_before) / gib, 3),
+            "activation_peak_GiB": round(profile.activation_peak / gib, 3),
             "cudagraph_reserve_GiB": round(graph_reserve / gib, 3), "kv_cache_GiB": round(available / gib, 3)}
 
 
