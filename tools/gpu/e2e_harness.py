@@ -425,9 +425,19 @@ def tp_long_prompts() -> tuple[list[list[int]], list[int]]:
     return [rng.integers(3, 1024, size=int(k)).tolist() for k in (7, 60, 130, 33)], TP_GRAPH_STEPS
 
 
+def tp_devices() -> list[str]:
+    """The two ranks' GPUs: FDLITE_TP_DEVICES ("0,1": one GPU each, on a machine that has two; the custom all-reduce
+    then reaches the peer's buffers over NVLink / PCIe) or GPU 0 for both (the one-GPU machines: ranks share it)."""
+    ids = [d.strip() for d in os.environ.get("FDLITE_TP_DEVICES", "0,0").split(",") if d.strip()]
+    if len(ids) != 2 or not all(d.isdigit() for d in ids):
+        raise ValueError(f"FDLITE_TP_DEVICES must name two GPU ids, e.g. 0,1; got {ids}")
+    return [f"gpu:{d}" for d in ids]
+
+
 def section_tp():
     """tensor_parallel_size=2 on one GPU, two processes sharing it (`device="gpu:0"` in each, a gloo group, every
-    collective of a step on fdlite's custom all-reduce library over CUDA IPC): fp32 greedy tokens against tp=1 and
+    collective of a step on fdlite's custom all-reduce library over CUDA IPC; FDLITE_TP_DEVICES=0,1 puts the ranks on
+    two GPUs instead): fp32 greedy tokens against tp=1 and
     transformers fp32 on the parity check's job (joins, preemption, prefix hits, chunked prefill; CUDA graphs on),
     1,000 decode steps with graphs against eager at tp=2, the startup order from each rank's recorded phases, and the
     custom library's counters (all-reduces captured and registered, device error bits). This process computes the
@@ -505,7 +515,8 @@ def section_tp():
 
     def through_the_launcher():
         """The same ranks started the way a user starts them, `python -m paddle.distributed.launch --devices 0,0`
-        (both on GPU 0), on the first family's job alone: its tokens against the ranks above."""
+        (both on GPU 0), on the first family's job alone: its tokens against the ranks above. Not with
+        FDLITE_TP_DEVICES (the launcher's own GPU selection per rank is not what the ranks above do)."""
         fam = fams[0]
         out = os.path.join(ARGS.out, "launch")
         os.makedirs(out, exist_ok=True)
@@ -523,7 +534,7 @@ def section_tp():
                "error": got.get("families", {}).get(fam, {}).get("error")}
         res["pass"] = bool(res["same_tokens_as_the_ranks_above"])
         return res
-    if os.environ.get("FDLITE_TP_LAUNCH_CHECK"):
+    if os.environ.get("FDLITE_TP_LAUNCH_CHECK") and "FDLITE_TP_DEVICES" not in os.environ:
         run("tp2_through_paddle_distributed_launch", through_the_launcher)
 
 
@@ -566,7 +577,8 @@ def section_tp_rank():
                 "device_errors": custom.device_errors(clear=True) if custom else ["no custom all-reduce"],
                 "backend": llm.runner.comm.backend, "ranks_on_device": llm.runner.comm.ranks_on_device}
 
-    device = "gpu:0" if FDL_DEVICE == "gpu" else FDL_DEVICE  # a CPU dry run: gloo, no custom library
+    device = tp_devices()[rank] if FDL_DEVICE == "gpu" else FDL_DEVICE  # a CPU dry run: gloo, no custom library
+    out["device"] = device
     try:  # 1,000 decode steps, graphs against eager, at tp=2
         if spec.get("skip_graphs"):
             raise RuntimeError("skipped (the launcher check runs the first family's job only)")
