@@ -805,6 +805,23 @@ def protocol(n=256, max_in=1024, max_out=1024, seed=0):
     return prompts, outs
 
 
+def protocol_params(outs):
+    """The protocol's sampling: temperature 0.6, ignore_eos, each request its own output length."""
+    from fdlite import SamplingParams  # noqa: PLC0415
+
+    return [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs]
+
+
+def dense_llm(path: str | None = None, **options):
+    """An engine on Qwen3-0.6B's shapes (or `path`) as the throughput sections measure it: 256 rows, 2,048-token
+    context, 8,192-token steps, graphs on, no tokenizer; `options` on top."""
+    from fdlite import LLM  # noqa: PLC0415
+
+    return LLM(path or qwen3_06b(), **{
+        "skip_tokenizer_init": True, "device": FDL_DEVICE, "max_num_seqs": 256, "max_model_len": 2048,
+        "max_num_batched_tokens": 8192, "use_cudagraph": True, **options})
+
+
 def prefill_heavy_prompts(n, lo=1024, hi=2040):
     """The prefill-heavy jobs' prompts (issue 25): n prompts of lo-hi random token ids (2,040 fits max_model_len
     2,048), the same ones in every section."""
@@ -822,11 +839,10 @@ def warm_up(llm) -> None:
 
 def run_protocol(llm) -> dict:
     """nano-vllm's protocol on `llm` after a short warm-up: temperature 0.6, ignore_eos, output tokens/s."""
-    from fdlite import SamplingParams  # noqa: PLC0415
 
     prompts, outs = protocol()
     warm_up(llm)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs]
+    params = protocol_params(outs)
     t = time.time()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     s = time.time() - t
@@ -927,14 +943,12 @@ def section_diag():
     and without the wrappers' argument checks, before and after a throughput-sized run."""
     import paddle  # noqa: PLC0415
 
-    from fdlite import LLM, SamplingParams  # noqa: PLC0415
     from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
 
     state = {}
 
     def startup():
-        state["llm"] = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256,
-                           max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True)
+        state["llm"] = dense_llm()
         return {"startup": state["llm"].startup_report}
 
     def parts(tag):
@@ -982,7 +996,7 @@ def section_diag():
         prompts, outs = protocol()
         t = time.time()
         llm.generate([{"prompt_token_ids": p} for p in prompts],
-                     [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs], use_tqdm=False)
+                     protocol_params(outs), use_tqdm=False)
         return {"seconds": round(time.time() - t, 2)}
 
     run("startup", startup)
@@ -999,15 +1013,14 @@ def section_diag():
 def section_throughput():
     import paddle  # noqa: PLC0415
 
-    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+    from fdlite import SamplingParams  # noqa: PLC0415
 
     state = {}
 
     def startup():
         path = qwen3_06b()
         t = time.time()
-        state["llm"] = LLM(path, skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
-                           max_num_batched_tokens=8192, use_cudagraph=True)
+        state["llm"] = dense_llm(path)
         llm = state["llm"]
         return {"wall_s": round(time.time() - t, 1), "startup": llm.startup_report,
                 "kv_blocks": llm.num_blocks, "block_size": llm.config.block_size,
@@ -1337,14 +1350,11 @@ def section_breakdown():
     """The throughput protocol's wall time split by step kind: each `ModelRunner.execute` call (forward, LM
     head, sampling, ids back on the host) timed with the batch it ran, the rest being the engine's host work
     around it (scheduling, output processing)."""
-    from fdlite import LLM, SamplingParams  # noqa: PLC0415
 
     state = {}
 
     def startup():
-        state["llm"] = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256,
-                           max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True,
-                           async_scheduling=os.environ.get("FDLITE_E2E_ASYNC") == "1")
+        state["llm"] = dense_llm(async_scheduling=os.environ.get("FDLITE_E2E_ASYNC") == "1")
         return {"async_scheduling": state["llm"].config.async_scheduling}
 
     def case():
@@ -1354,7 +1364,7 @@ def section_breakdown():
         with timed_steps(llm.runner) as steps:
             t = time.time()
             llm.generate([{"prompt_token_ids": p} for p in prompts],
-                         [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs], use_tqdm=False)
+                         protocol_params(outs), use_tqdm=False)
             wall = time.time() - t
         in_steps = sum(x[2] for x in steps)
         return {"wall_s": round(wall, 2), "steps": len(steps), "in_execute_s": round(in_steps, 2),
@@ -1378,7 +1388,7 @@ def section_profile():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from churn_job import churn_requests  # noqa: PLC0415
 
-    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+    from fdlite import LLM  # noqa: PLC0415
 
     cuda = ctypes.CDLL("libcuda.so.1")
     kind = os.environ.get("FDLITE_PROFILE_KIND", "mixed")
@@ -1422,7 +1432,7 @@ def section_profile():
         runner.execute = timed
         try:
             llm.generate([{"prompt_token_ids": p} for p in prompts],
-                         [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs],
+                         protocol_params(outs),
                          use_tqdm=False)
         finally:
             runner.execute = inner
@@ -1550,13 +1560,12 @@ def section_sampling():
     the shipped Qwen3 tokenizer for the cases that need text): 128 of the protocol's prompts (token ids), 128
     output tokens each (`ignore_eos` unless a case needs EOS), graphs on; then a JSON-schema batch of 64 beside
     its unconstrained twin."""
-    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+    from fdlite import SamplingParams  # noqa: PLC0415
 
     state = {}
 
     def startup():
-        state["llm"] = LLM(with_qwen3_tokenizer(qwen3_06b()), device=FDL_DEVICE, max_num_seqs=256,
-                           max_model_len=2048, max_num_batched_tokens=8192, use_cudagraph=True)
+        state["llm"] = dense_llm(with_qwen3_tokenizer(qwen3_06b()), skip_tokenizer_init=False)
         return {"kv_blocks": state["llm"].num_blocks}
 
     prompts, _ = protocol(n=128)
@@ -1950,14 +1959,14 @@ def section_step_times():
     import ctypes  # noqa: PLC0415
     import gc  # noqa: PLC0415
 
-    from fdlite import LLM, SamplingParams  # noqa: PLC0415
+    from fdlite import SamplingParams  # noqa: PLC0415
 
     sync = ctypes.CDLL("libcuda.so.1").cuCtxSynchronize if FDL_DEVICE == "gpu" else None
     name = os.environ.get("FDLITE_PROFILE_MODEL", "qwen3_30b_a3b")
     job_name = os.environ.get("FDLITE_STEP_TIMES_JOB", "prefill_heavy")
     if job_name == "protocol":
         ids, outs = protocol(n=8, max_in=200, max_out=120) if ARGS.quick else protocol()
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs]
+        params = protocol_params(outs)
     else:
         ids = prefill_heavy_prompts(8, 64, 120) if ARGS.quick else prefill_heavy_prompts(1024 if name == "qwen3_06b"
                                                                                           else 256)
@@ -1966,8 +1975,7 @@ def section_step_times():
 
     def engine(async_scheduling: bool):
         if name == "qwen3_06b":
-            return LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
-                       max_num_batched_tokens=8192, use_cudagraph=True, async_scheduling=async_scheduling)
+            return dense_llm(async_scheduling=async_scheduling)
         return full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling)
 
     def job(async_scheduling: bool):
@@ -2051,7 +2059,7 @@ def section_moe_bench():
             llm = state["llm"]
             prompts, outs = protocol(n=8, max_in=200, max_out=120) if ARGS.quick else protocol()
             warm_up(llm)
-            out, roof = timed(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs])
+            out, roof = timed(prompts, protocol_params(outs))
             out["requested_output_tokens"] = sum(outs)
             out["output_tokens_per_s"] = round(out["output_tokens"] / out["generate_s"], 1)
             out["roofline_output_tokens_per_s"] = round(out["output_tokens"] / roof["step_roofline_s"], 1)
