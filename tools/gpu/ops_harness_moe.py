@@ -234,7 +234,11 @@ def checks(h) -> None:
                                          # skipped), one-row last tiles, odd widths, the full-size widths
                                          (1100, 8, 2, 256, 128, "uneven"), (700, 4, 3, 136, 40, "random"),
                                          (513, 2, 1, 64, 32, "one"), (2048, 16, 8, 2048, 768, "random"),
-                                         (1500, 8, 6, 2560, 1536, "idle")):
+                                         (1500, 8, 6, 2560, 1536, "idle"),
+                                         # widths not multiples of 32: the epilogue's 16-byte stores go by groups of
+                                         # four 8-column blocks, the last group of a row partly past N (2 or 3 blocks
+                                         # inside), in a second N block too (280 = 256 + 24, 176 = 128 + 48)
+                                         (300, 8, 2, 280, 176, "uneven"), (513, 4, 2, 88, 48, "one")):
                 check(f"moe_experts {dt} wgmma block_m=128 T={T} E={E} k={k} H={H} I={I} routing={kind}",
                       t_experts(T, E, k, H, I, dt, kind, 128))
 
