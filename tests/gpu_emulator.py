@@ -21,6 +21,9 @@ from fdlite.kernels import platform
 from fdlite.sample import sampling_ref
 
 CALLS: Counter = Counter()
+# What each paged_attention call's launch plan (each row's kernel and KV split count) read, in call order
+# (`attention_plan_inputs`): a test compares an eager engine's with a graph engine's.
+ATTENTION_PLANS: list[tuple] = []
 
 
 def _np(t) -> np.ndarray:
@@ -164,21 +167,33 @@ def rope_qk_norm_cache_fp8(qkv, positions, slot_mapping, cos, sin, k_cache, v_ca
 
 
 def paged_attention_fp8(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len=0,
-                        num_splits=0):
+                        num_splits=0, graph_tokens=0, max_kv_len=0):
     """The kernel's contract on FP8 caches: every row read back as value x scale (`Fp8Cache.read`)."""
     CALLS["paged_attention_fp8"] += 1
     n = int(np.prod(k_cache.shape[:3]))
     rows = paddle.to_tensor(np.arange(n, dtype=np.int64))
     kt = k_cache.read(rows).reshape(k_cache.shape)
     vt = v_cache.read(rows).reshape(v_cache.shape)
-    out = paged_attention(q, kt, vt, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len, num_splits)
+    out = paged_attention(q, kt, vt, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len, num_splits,
+                          graph_tokens, max_kv_len)
     CALLS["paged_attention"] -= 1
     return out
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len=0, num_splits=0):
+def attention_plan_inputs(t, b, width, block_size, max_q_len, num_splits, graph_tokens, max_kv_len) -> tuple:
+    """What the kernel's launch plan reads (ops_attention.cu, attention_impl): graph_tokens, when given, in place of
+    the call's T and B, and max_kv_len in place of its table width; equal inputs, equal plans."""
+    assert graph_tokens == 0 or graph_tokens >= t, "graph_tokens must be a padded size"
+    shape = (graph_tokens,) if graph_tokens else (t, b)
+    return max_q_len, num_splits, shape, max_kv_len or width * block_size
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len=0, num_splits=0,
+                    graph_tokens=0, max_kv_len=0):
     CALLS["paged_attention"] += 1
     assert block_tables.shape[0] == seq_lens_kv.shape[0] and cu_seqlens_q.shape[0] == seq_lens_kv.shape[0] + 1
+    ATTENTION_PLANS.append(attention_plan_inputs(q.shape[0], block_tables.shape[0], block_tables.shape[1],
+                                                 k_cache.shape[2], max_q_len, num_splits, graph_tokens, max_kv_len))
     qa, kc, vc = _np(q), _np(k_cache), _np(v_cache)
     t, h, d = qa.shape
     kvh, bs = kc.shape[1], kc.shape[2]
@@ -332,6 +347,7 @@ OPS = ("fill_", "copy_", "add_", "copy_from_host", "upload", "copy_from_host_man
 def install(monkeypatch) -> Counter:
     """Switch this process to the emulated GPU path (undone by monkeypatch); returns the call counter."""
     CALLS.clear()
+    ATTENTION_PLANS.clear()
     for name in OPS:
         monkeypatch.setattr(gpu_ops, name, globals()[name])
     monkeypatch.setattr(gpu_ops, "load", lambda path=None: "emulated")

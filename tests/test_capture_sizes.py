@@ -6,7 +6,8 @@ import pytest
 
 from fdlite.graph.capture_sizes import (decode_capture_sizes, mixed_capture_sizes, padded_size,
                                         prefill_capture_sizes, random_split, worst_case_prefill_split)
-from fdlite.layers.forward_meta import FlatBatch
+from fdlite.layers.forward_meta import FlatBatch, PrefillSpan
+from fdlite.runner.cudagraph_runner import graph_size
 from fdlite.runner.forward_buffers import ForwardBuffers
 
 # Written out from FastDeploy's guide, not computed by the code under test.
@@ -97,3 +98,31 @@ def test_padded_rows_write_and_read_only_the_scratch_block():
     before = paddle.clone(buf.input_ids.tensor[4:])
     buf.write_padded(batch, size=3, decode=True)
     assert buf.input_ids.tensor[4:].tolist() == before.tolist()
+
+def test_an_eager_step_plans_attention_as_the_graph_it_would_run_in():
+    """The GPU attention chooses each row's kernel and KV split count from ForwardMeta's max_q_len, graph_tokens and
+    max_kv_len: an eager step written with its graph (`graph_size`) gets that graph's values, not its own row count,
+    max_q_len (here 2: a prompt's last chunk) or table width."""
+    buf = ForwardBuffers(max_tokens=64, max_rows=6, max_blocks=4, block_size=16)
+    buf.set_scratch_block(10)
+    decode = FlatBatch(input_ids=np.array([5, 6, 7]), positions=np.array([3, 0, 9]), slot_mapping=np.array([3, 16, 41]),
+                       token_rows=np.array([0, 1, 2]), block_tables=np.array([[0], [1], [2]], np.int32),
+                       seq_lens_kv=np.array([4, 1, 10], np.int32), cu_seqlens_q=np.array([0, 1, 2, 3], np.int32),
+                       logits_indices=np.array([0, 1, 2]), num_decodes=3)
+    mixed = FlatBatch(input_ids=np.array([5, 6, 7]), positions=np.array([3, 0, 1]), slot_mapping=np.array([3, 16, 17]),
+                      token_rows=np.array([0, 1, 1]), block_tables=np.array([[0], [1]], np.int32),
+                      seq_lens_kv=np.array([4, 2], np.int32), cu_seqlens_q=np.array([0, 1, 3], np.int32),
+                      logits_indices=np.array([0, 2]), num_decodes=1,
+                      prefills=[PrefillSpan(row=1, token_start=1, q_len=2, kv_len=2)])
+    decode_sizes, mixed_sizes = [1, 2, 4], [16, 32]
+    assert graph_size(decode, decode_sizes, False, 6) == 4 and graph_size(mixed, decode_sizes, False, 6) is None
+    assert graph_size(mixed, mixed_sizes, True, 6) == 16 and graph_size(mixed, mixed_sizes, True, 1) is None
+
+    def plan(meta):
+        return meta.max_q_len, meta.graph_tokens, meta.max_kv_len
+
+    for batch, size, is_decode in ((decode, 4, True), (mixed, 16, False)):
+        _, _, meta, _ = buf.write(batch, [], graph=(size, is_decode))
+        assert meta.block_tables.shape == [batch.num_rows, 1]  # the step's own narrow table
+        assert plan(meta) == plan(buf.graph_views(size, is_decode, [])[2]) == (1 if is_decode else 0, size, 64)
+    assert plan(buf.write(mixed, [])[2]) == (2, 0, 64)  # no graph takes it: its own max_q_len and T

@@ -155,6 +155,43 @@ def test_emulated_gpu_graphs_replay_padded_batches(model_dirs, monkeypatch):
     assert (calls["copy_from_host_many"] - before[0], calls["copy_from_host"] - before[1]) == (stats["num_steps"], 0)
 
 
+def test_emulated_gpu_eager_steps_plan_attention_as_their_graphs(model_dirs, monkeypatch):
+    """Graphs = eager, bitwise, needs each row's attention kernel and KV split count to be the same in an eager step
+    and in the graph it would replay in: an eager step (graphs off) passes the attention op that graph's plan (its
+    padded size, max_q_len and max_model_len's tables) instead of its own row count, max_q_len and table width. The
+    same jobs on both engines: every attention call's plan inputs agree, step by step. The jobs have decode steps
+    padded to a larger graph, and a prompt's last chunk of 2 tokens beside a decode (eagerly, by its own max_q_len,
+    the per-token kernel would take it; in its mixed graph the tile kernel does)."""
+    monkeypatch.setenv("FDLITE_CUDAGRAPH_BACKEND", "eager")
+    _emulate_gpu(monkeypatch)
+    rng = np.random.default_rng(4)
+    # the second job: 10 + 86 tokens fill the first step's budget of 96, then a decode, 2 tokens and a 1-token prompt
+    jobs = [prompts(), [{"prompt_token_ids": rng.integers(3, 500, k).tolist()} for k in (10, 88, 1)]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    plans, outs, steps = [], [], []
+    for graphs in (False, True):
+        llm = LLM(model_dirs["qwen3"], use_cudagraph=graphs, async_scheduling=False, **COMMON)
+        write = llm.runner.buffers.write
+
+        def recording(flat, caches, patch=None, graph=None, write=write):
+            steps.append((flat.num_rows, flat.num_decodes, flat.max_q_len, graph))
+            return write(flat, caches, patch, graph)
+
+        llm.runner.buffers.write = recording
+        gpu_emulator.ATTENTION_PLANS.clear()
+        outs.append([])
+        for job in jobs:
+            outs[-1].append([o.outputs[0].token_ids for o in llm.generate(job, params, use_tqdm=False)])
+            stats = llm.last_generate_stats
+            assert stats["cudagraph_replays"] == (stats["num_steps"] if graphs else 0)
+        plans.append(list(gpu_emulator.ATTENTION_PLANS))
+    assert outs[0] == outs[1] and plans[0] == plans[1] and len(plans[0]) > 0
+    assert steps and all(graph is not None for *_, graph in steps)  # the eager engine's steps, each with its graph
+    decode_sizes = llm.runner.graph_sizes[0]
+    assert any(d == rows and rows not in decode_sizes for rows, d, _, _ in steps)  # a padded decode step
+    assert any(2 <= q <= 4 and not g[1] for _, _, q, g in steps)  # a short chunk planned as its mixed graph
+
+
 def test_emulated_gpu_sampler_applies_penalties_and_bans_on_the_device(model_dirs, monkeypatch):
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=False, min_tokens=4, repetition_penalty=1.8,
                              logprobs=3),

@@ -80,8 +80,9 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
 CAPI_KEEP_GIL = frozenset({"fdl_ops_abi_version", "fdl_set_options", "fdl_event_create", "fdl_event_record",
                            "fdl_event_destroy", "fdl_memcpy_h2d_async", "fdl_memcpy_h2d_many",
                            "fdl_memcpy_h2d_many_pinned", "fdl_memcpy_d2h_async"})
-ABI_VERSION = 13  # fdl_ops_abi_version() of the sources this module speaks to (7: MoE ops; 8: fdl_add_; 9: FP8 KV;
-#                  10: fdl_memcpy_h2d_many_pinned; 11: attn_mma 0 / 1 / 2; 12: decode_mma; 13: moe_experts' shared)
+ABI_VERSION = 14  # fdl_ops_abi_version() of the sources this module speaks to (7: MoE ops; 8: fdl_add_; 9: FP8 KV;
+#                  10: fdl_memcpy_h2d_many_pinned; 11: attn_mma 0 / 1 / 2; 12: decode_mma; 13: moe_experts' shared;
+#                  14: paged attention's graph_tokens / max_kv_len)
 
 
 def load(path: str | None = None) -> str:
@@ -423,11 +424,14 @@ def _rope_inputs(qkv, positions, slot_mapping, cos, sin, q_norm_weight, k_norm_w
 
 # ------------------------------------------------------------------ (e) paged attention
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale: float,
-                    max_q_len: int = 0, num_splits: int = 0):
+                    max_q_len: int = 0, num_splits: int = 0, graph_tokens: int = 0, max_kv_len: int = 0):
     """q [T, h, d] over the paged caches -> [T, h * d]; see ops_attention.cu for the batch layout.
 
     max_q_len: known bound on any row's query length (1 in decode-only graphs), 0 = unknown.
-    num_splits: KV splits for the per-token kernel, 0 = from the shapes."""
+    num_splits: KV splits for the per-token kernel, 0 = from the shapes.
+    graph_tokens, max_kv_len: the padded token count of the CUDA graph the step runs in (or would: eager steps pass
+    it too) and a row's longest KV (max_model_len), which choose the kernel and KV splits of each row in place of T
+    and the block tables' width, so that eager and replayed steps give the same bits; 0 = this call's."""
     _check(q, "q", FLOAT_DTYPES, ndim=3)
     if _checks and q.shape[-1] not in HEAD_DIMS:
         raise GpuOpsError(f"paged_attention: head_dim {q.shape[-1]} has no GPU kernel (head_dim {HEAD_DIMS})")
@@ -437,11 +441,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q
     _check(seq_lens_kv, "seq_lens_kv", ("int32",))
     _check(cu_seqlens_q, "cu_seqlens_q", ("int32",))
     return _run("fdl_paged_attention", q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, float(scale),
-                int(max_q_len), int(num_splits))[0]
+                int(max_q_len), int(num_splits), int(graph_tokens), int(max_kv_len))[0]
 
 
 def paged_attention_fp8(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale: float,
-                        max_q_len: int = 0, num_splits: int = 0):
+                        max_q_len: int = 0, num_splits: int = 0, graph_tokens: int = 0, max_kv_len: int = 0):
     """`paged_attention` over FP8 caches (`Fp8Cache`s: e4m3 bits and a scale per row, multiplied in after
     widening)."""
     _check(q, "q", FLOAT_DTYPES, ndim=3)
@@ -450,7 +454,8 @@ def paged_attention_fp8(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqle
     _check(seq_lens_kv, "seq_lens_kv", ("int32",))
     _check(cu_seqlens_q, "cu_seqlens_q", ("int32",))
     return _run("fdl_paged_attention_fp8", q, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale, block_tables,
-                seq_lens_kv, cu_seqlens_q, float(scale), int(max_q_len), int(num_splits))[0]
+                seq_lens_kv, cu_seqlens_q, float(scale), int(max_q_len), int(num_splits), int(graph_tokens),
+                int(max_kv_len))[0]
 
 
 # ------------------------------------------------------------------ (f) logits and sampling

@@ -67,4 +67,4 @@ class Attention(CustomOp):
         tables = meta.block_tables if meta.block_tables.shape[0] == rows else meta.block_tables[:rows]
         attend = gpu_ops.paged_attention_fp8 if fp8 else gpu_ops.paged_attention
         return attend(q, k_cache, v_cache, tables, meta.seq_lens_kv, meta.cu_seqlens_q, self.scale,
-                      max_q_len=meta.max_q_len)
+                      max_q_len=meta.max_q_len, graph_tokens=meta.graph_tokens, max_kv_len=meta.max_kv_len)

@@ -70,5 +70,10 @@ class ForwardMeta:
     # Bound on any row's query length (1: decode only; 0: unknown, as in a prefill graph): lets the GPU
     # attention skip its query-tile kernel when every row decodes.
     max_q_len: int = 0
+    # What the GPU attention plans each row's kernel and KV split count for (0: the call's own T and table width):
+    # the padded size of the CUDA graph the step runs in, or would run in (eager steps plan as their graph, so graphs
+    # and eager give the same bits), and a row's longest KV (the full table width of a graph).
+    graph_tokens: int = 0
+    max_kv_len: int = 0
     # Cache row indices derived once per step and shared by every layer (see fdlite/layers/attention.py).
     derived: dict = field(default_factory=dict, repr=False)

@@ -38,6 +38,13 @@ from fdlite.runner.forward_buffers import ForwardBuffers
 logger = logging.getLogger("fdlite")
 
 
+def graph_size(batch: FlatBatch, sizes: list[int], mixed: bool, max_num_seqs: int) -> int | None:
+    """The size among `sizes` of the graph `batch` runs in, or None: decode graphs (keyed by batch size) take
+    decode-only batches, mixed graphs (keyed by token count) any split of the tokens over at most max_num_seqs rows."""
+    fits = batch.num_rows <= max_num_seqs if mixed else batch.num_decodes == batch.num_rows
+    return padded_size(sizes, batch.num_tokens) if fits else None
+
+
 class CudaGraphRunner:
     """Captured graphs of `model_layer` for each size in `sizes` (decode: batch sizes; mixed: token counts)."""
 
@@ -162,13 +169,7 @@ class CudaGraphRunner:
 
     def size_for(self, batch: FlatBatch) -> int | None:
         """The captured size this batch runs in, or None to run it eagerly."""
-        if not self.graphs:
-            return None
-        if self.mixed:  # any split of the tokens over at most max_num_seqs rows
-            fits = batch.num_rows <= self.max_num_seqs
-        else:
-            fits = batch.num_decodes == batch.num_rows  # decode-only
-        return padded_size(self.sizes, batch.num_tokens) if fits else None
+        return graph_size(batch, self.sizes, self.mixed, self.max_num_seqs) if self.graphs else None
 
     def run(self, batch: FlatBatch, size: int, patch=None) -> paddle.Tensor:
         """Write the batch into the buffers (and `patch`, `ForwardBuffers.write`), replay the graph of `size`,

@@ -9,7 +9,8 @@ that enqueues all the copies, where a wrapper call per buffer cost ~20 us of Pyt
 
 Graph mode (`pad_to`): shapes are fixed by the captured size, padded tokens write the scratch slot
 and read the scratch row of block tables (the row after the last real one), and attention reads
-tensors only (`ForwardMeta.prefills` is None).
+tensors only (`ForwardMeta.prefills` is None). An eager step's GPU attention plans its launch (each row's kernel and
+KV split count) for the graph the step would run in (`graph_attention`), so that it gives that graph's bits.
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ class _Buffer:
         return v
 
 
+def graph_attention(size: int, decode: bool) -> tuple[int, int]:
+    """`ForwardMeta`'s (max_q_len, graph_tokens) in the graph of `size` (decode: rows of one token each; mixed: rows
+    of any length, max_q_len 0 for unknown), and in every eager step that graph would run."""
+    return (1 if decode else 0), size
+
+
 def _flush(buffers) -> None:
     """GPU: copy each buffer's staged range to the device, all in one call (CPU: already in place)."""
     if not buffers or not buffers[0].on_gpu:
@@ -90,6 +97,7 @@ def _flush(buffers) -> None:
 class ForwardBuffers:
     def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, block_size: int):
         self.max_tokens, self.max_rows, self.max_blocks, self.block_size = max_tokens, max_rows, max_blocks, block_size
+        self.max_kv_len = max_blocks * block_size  # a row's longest KV (a graph's table width): attention plans by it
         self.input_ids = _Buffer(max_tokens, "int64")
         self.positions = _Buffer(max_tokens, "int64")
         self.slot_mapping = _Buffer(max_tokens, "int64")
@@ -119,9 +127,11 @@ class ForwardBuffers:
         self.scratch_block = block
         self.block_tables.write(np.full(self.max_blocks, block, np.int32), start=self.max_rows * self.max_blocks)
 
-    def write(self, flat: FlatBatch, caches, patch=None) -> tuple[paddle.Tensor, paddle.Tensor, ForwardMeta, paddle.Tensor]:
+    def write(self, flat: FlatBatch, caches, patch=None,
+              graph: tuple[int, bool] | None = None) -> tuple[paddle.Tensor, paddle.Tensor, ForwardMeta, paddle.Tensor]:
         """Copy `flat` into the buffers (then `patch`: see `apply_patch`); return (input_ids, positions, meta,
-        logits_indices) views of its size."""
+        logits_indices) views of its size. `graph`: (size, decode) of the CUDA graph this step would run in (None:
+        none would), whose attention plan it takes (`graph_attention`)."""
         t, b = flat.num_tokens, flat.num_rows
         self._stage_common(flat)
         width = flat.block_tables.shape[1]
@@ -129,11 +139,13 @@ class ForwardBuffers:
         self._stage_patch(patch)
         _flush(self._all)
         self._apply_patch(patch)
+        max_q_len, graph_tokens = graph_attention(*graph) if graph is not None else (flat.max_q_len, 0)
         meta = ForwardMeta(
             slot_mapping=self.slot_mapping.view(t), token_rows=self.token_rows.view(t), positions=self.positions.view(t),
             block_tables=self.block_tables.view(b * width, [b, width]), seq_lens_kv=self.seq_lens_kv.view(b),
             cu_seqlens_q=self.cu_seqlens_q.view(b + 1), num_decodes=flat.num_decodes, block_size=self.block_size,
-            prefills=flat.prefills, caches=caches, max_q_len=flat.max_q_len,
+            prefills=flat.prefills, caches=caches, max_q_len=max_q_len, graph_tokens=graph_tokens,
+            max_kv_len=self.max_kv_len,
         )
         return self.input_ids.view(t), self.positions.view(t), meta, self.logits_indices.view(len(flat.logits_indices))
 
@@ -194,13 +206,14 @@ class ForwardBuffers:
     def graph_views(self, size: int, decode: bool, caches) -> tuple[paddle.Tensor, paddle.Tensor, ForwardMeta]:
         """Fixed-shape views for a graph of `size` tokens: what capture binds and replay reads."""
         rows = size if decode else self.max_rows
+        max_q_len, graph_tokens = graph_attention(size, decode)
         meta = ForwardMeta(
             slot_mapping=self.slot_mapping.view(size), token_rows=self.token_rows.view(size),
             positions=self.positions.view(size),
             block_tables=self.block_tables.view((self.max_rows + 1) * self.max_blocks, [self.max_rows + 1, self.max_blocks]),
             seq_lens_kv=self.seq_lens_kv.view(rows), cu_seqlens_q=self.cu_seqlens_q.view(rows + 1),
             num_decodes=size if decode else 0, block_size=self.block_size, prefills=None, caches=caches,
-            max_q_len=1 if decode else 0,
+            max_q_len=max_q_len, graph_tokens=graph_tokens, max_kv_len=self.max_kv_len,
         )
         return self.input_ids.view(size), self.positions.view(size), meta
 

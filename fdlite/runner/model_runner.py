@@ -13,6 +13,7 @@ steps) in the same order, so the collectives inside the layers pair up; rank 0 a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import numpy as np
@@ -38,7 +39,7 @@ from fdlite.graph.backend import GraphOptBackend
 from fdlite.graph.capture_sizes import decode_capture_sizes, mixed_capture_sizes, prefill_capture_sizes
 from fdlite.kvcache.device_memory import device_memory, profile_peak, release_cached_memory, reset_peak_memory
 from fdlite.graph.cuda import graphs_share_pool
-from fdlite.runner.cudagraph_runner import CudaGraphRunner, cudagraph_factory
+from fdlite.runner.cudagraph_runner import CudaGraphRunner, cudagraph_factory, graph_size
 from fdlite.phases import PhaseRecorder
 from fdlite.graph.static_graph import translation_count
 from fdlite.kvcache.sizing import MemoryProfile, graph_reserve_bytes, kv_cache_bytes, num_blocks_for, sizing_report
@@ -261,18 +262,33 @@ class ModelRunner:
         return [gr for gr in (self.graph_runner, self.mixed_graph_runner) if gr is not None]
 
     def capture_sizes(self) -> tuple[list[int], list[int]]:
-        """(decode batch sizes, token counts of steps with prefill tokens) that will get a CUDA graph; both empty
-        when graphs are off or cannot run here."""
+        """`graph_sizes` where graphs are captured; both empty when graphs are off or cannot run here."""
         g = self.config.graph_optimization_config
         if g.use_cudagraph is False or cudagraph_factory(self.device) is None:
             return [], []
-        c = self.config
+        return self.graph_sizes
+
+    @functools.cached_property
+    def graph_sizes(self) -> tuple[list[int], list[int]]:
+        """(decode batch sizes, token counts of steps with prefill tokens) that get a CUDA graph where graphs run.
+        Eager steps plan their attention by them too, graphs on or off (`graph_for`)."""
+        c, g = self.config, self.config.graph_optimization_config
         # A row never holds more than max_model_len tokens: a larger token count needs more rows than there are.
         budget = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         if g.cudagraph_only_prefill:
             return [], prefill_capture_sizes(budget, g.cudagraph_capture_sizes, g.max_capture_size)
         return (decode_capture_sizes(c.max_num_seqs, g.cudagraph_capture_sizes, g.max_capture_size),
                 mixed_capture_sizes(budget, g.cudagraph_mixed_capture_sizes))
+
+    def graph_for(self, flat: FlatBatch) -> tuple[int, bool] | None:
+        """(size, decode) of the CUDA graph `flat` runs in (a decode graph before a mixed one), or would run in with
+        graphs on; None: no graph takes it. An eager step plans its attention for that graph (`ForwardBuffers.write`):
+        each row's kernel and KV split count, hence its bits, are then the same with graphs on and off."""
+        for sizes, mixed in zip(self.graph_sizes, (False, True)):
+            size = graph_size(flat, sizes, mixed, self.config.max_num_seqs)
+            if size is not None:
+                return size, not mixed
+        return None
 
     def setup_graph_optimization(self, recorder: PhaseRecorder) -> None:
         """docs/design.md, "Startup order" step 4: attach the SOT backend, then warm it up or capture CUDA graphs (SOT inside capture)."""
@@ -332,11 +348,13 @@ class ModelRunner:
     def forward_hidden(self, flat: FlatBatch, use_graphs: bool = True, patch=None) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Hidden states of the flat batch (graph replay when its padded size was captured) and the device
         indices of its sampling rows. `patch`: (TokenPatch, ids) applied to the input ids once written."""
-        for runner in self.graph_runners if use_graphs else ():
-            size = runner.size_for(flat)
-            if size is not None:
+        graph = self.graph_for(flat)
+        if graph is not None and use_graphs:
+            size, decode = graph
+            runner = self.graph_runner if decode else self.mixed_graph_runner
+            if runner is not None and runner.graphs:
                 return runner.run(flat, size, patch), self.buffers.logits_index_view(len(flat.logits_indices))
-        ids, positions, meta, logits_indices = self.buffers.write(flat, self.kv_cache.caches, patch)
+        ids, positions, meta, logits_indices = self.buffers.write(flat, self.kv_cache.caches, patch, graph)
         return self.model(ids, positions, meta), logits_indices
 
     @no_grad

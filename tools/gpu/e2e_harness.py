@@ -1381,8 +1381,8 @@ def section_profile():
     (FDLITE_PROFILE_MODEL, a MOE_BENCH_SHAPES name, random weights), run under Nsight Compute by
     tools/gpu/run_profile_step.sh (`--profile-from-start off`: only the step
     between cuProfilerStart and cuProfilerStop is profiled). Eager and synchronous, so each `ModelRunner.execute` is one step's kernels in
-    launch order; the same kernels a graph replays (only the decode kernel's split count can differ: it follows
-    the step's token count, which a graph pads)."""
+    launch order; the same kernels a graph replays (the attention plans its kernels and KV splits for the graph the
+    step would replay in), on unpadded batches."""
     import ctypes  # noqa: PLC0415
 
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -929,23 +929,29 @@ for dt in ("bfloat16", "float16"):
                       with_options(t_attn(mma_rows, h=h, kvh=kvh, d=d, bs=bs, dt=dt), attn_mma=1))
 
 
+def fp8_caches(b):
+    """The Batch's K / V quantized per (slot, KV head) on the host as FP8 caches (`Fp8Cache`'s data and scale); the
+    Batch's per-row K / V become the dequantized contents (value x scale), which its reference reads. Unwritten slots
+    hold NaN bits (0x7F) and NaN scales: a kernel that reads one fails."""
+    caches = []
+    for arr, per_row in ((b.k_np, b.K), (b.v_np, b.V)):
+        bits, scale = fp8_quantize(np.nan_to_num(arr, nan=0.0))
+        written = ~np.isnan(arr).any(-1)
+        bits[~written] = 0x7F
+        scale[~written] = np.nan
+        caches.append(types.SimpleNamespace(data=to_gpu(bits, "uint8"), scale=to_gpu(scale, "float32")))
+        deq = (e4m3_decode(bits) * scale[..., None]).astype(np.float32)
+        for r, (_, kv) in enumerate(b.rows):
+            p = np.arange(kv)
+            per_row[r] = deq[b.bt[r, p // b.bs], :, p % b.bs]
+    return caches
+
+
 def t_attn_fp8(rows, h=16, kvh=8, d=128, bs=64, dt="bfloat16", splits=0, max_q_len=0):
-    """Attention over FP8 caches: the Batch's K / V quantized per (slot, KV head) on the host; the reference reads
-    them back as value x scale. Unwritten slots hold NaN bits (0x7F) and NaN scales: a kernel that reads one fails."""
+    """Attention over FP8 caches (`fp8_caches`); the reference reads them back as value x scale."""
     def f():
         b = Batch(rows, h, kvh, d, bs, dt)
-        caches = []
-        for arr, per_row in ((b.k_np, b.K), (b.v_np, b.V)):
-            bits, scale = fp8_quantize(np.nan_to_num(arr, nan=0.0))
-            written = ~np.isnan(arr).any(-1)
-            bits[~written] = 0x7F
-            scale[~written] = np.nan
-            caches.append(types.SimpleNamespace(data=to_gpu(bits, "uint8"), scale=to_gpu(scale, "float32")))
-            deq = (e4m3_decode(bits) * scale[..., None]).astype(np.float32)
-            for r in range(len(rows)):  # the reference's per-row K / V: the dequantized cache contents
-                kv = rows[r][1]
-                p = np.arange(kv)
-                per_row[r] = deq[b.bt[r, p // bs], :, p % bs]
+        caches = fp8_caches(b)
         scale_ = d ** -0.5
         ins = b.inputs()
         out = G.paged_attention_fp8(ins[0], caches[0], caches[1], *ins[3:], scale_, max_q_len, splits)
@@ -998,6 +1004,85 @@ check("paged_attention tensor-core tiles: a prefill row alone = in a batch, bitw
       t_attn_row_invariance(d=64, h=16, kvh=4))
 check("paged_attention mma.sync tiles: a prefill row alone = in a batch, bitwise (bfloat16)",
       with_options(t_attn_row_invariance("bfloat16"), attn_mma=1))
+
+
+def t_attn_graph_eq(rows, size, decode, max_rows=8, max_blocks=64, h=4, kvh=2, d=128, bs=16, dt="bfloat16",
+                    fp8=False):
+    """Graphs = eager, bitwise: one step in the engine's eager layout (its rows, block tables as wide as its longest
+    row, T unpadded) and in the layout of the graph it replays in (ForwardBuffers.write_padded / graph_views: a decode
+    graph pads rows to `size`, each a token reading the scratch block; a mixed graph pads rows to max_rows, empty, and
+    tokens to `size`; tables max_blocks wide, scratch-filled), both with the attrs the engine passes for that graph
+    (graph_attention: max_q_len 1 / 0, graph_tokens = size; max_kv_len = max_blocks x bs). The real tokens' outputs
+    must be the same bits (and match the reference). Defaults: the e2e graphs_equal_eager case's model (4/2 heads,
+    d128) and engine (block_size 16, max_model_len 1024, max_num_seqs 8). The detail also counts the tokens that differ
+    when the eager call passes what it passed before (its own max_q_len, neither graph_tokens nor max_kv_len)."""
+    def f():
+        b = Batch(rows, h, kvh, d, bs, dt, max_blocks=max_blocks)
+        sb, B, T = b.num_blocks, len(rows), b.T  # the scratch block (NaN in Batch): finite, as the engine's
+        for arr in (b.k_np, b.v_np):
+            arr[sb] = q(rng.standard_normal(arr[sb].shape), dt)
+        assert size >= T and (not decode or (size >= B and all(ql == 1 for ql, _ in rows)))
+        if fp8:
+            kc, vc = fp8_caches(b)
+            attend = G.paged_attention_fp8
+        else:
+            kc, vc = to_gpu(b.k_np, dt), to_gpu(b.v_np, dt)
+            attend = G.paged_attention
+        nb = [max(1, -(-kv // bs)) for _, kv in rows]
+        pad = size - B if decode else max_rows - B
+        bt_g = np.full((B + pad, max_blocks), sb, np.int32)
+        for r in range(B):
+            bt_g[r, :nb[r]] = b.bt[r, :nb[r]]
+        if decode:  # padded rows: one token each at position 0, KV length 1
+            seq_g = np.concatenate([b.seq, np.ones(pad, np.int32)])
+            cu_g = np.concatenate([b.cu, T + 1 + np.arange(pad)]).astype(np.int32)
+        else:  # padded rows hold no tokens; padded tokens belong to no row
+            seq_g = np.concatenate([b.seq, np.zeros(pad, np.int32)])
+            cu_g = np.concatenate([b.cu, np.full(pad, T)]).astype(np.int32)
+        q_g = np.concatenate([b.q, q(rng.standard_normal((size - T, h, d)), dt)])
+        scale = d ** -0.5
+
+        def run(qa, bt, seq, cu, max_q_len, graph_tokens, max_kv_len):
+            out = attend(to_gpu(qa, dt), kc, vc, to_gpu(bt, "int32"), to_gpu(seq, "int32"), to_gpu(cu, "int32"), scale,
+                         max_q_len, 0, graph_tokens, max_kv_len)
+            return np.ascontiguousarray(to_np(out)[:T], np.float32)
+
+        plan = (1 if decode else 0, size, max_blocks * bs)
+        eager = run(b.q, b.bt[:, :max(nb)], b.seq, b.cu, *plan)
+        graph = run(q_g, bt_g, seq_g, cu_g, *plan)
+        before = run(b.q, b.bt[:, :max(nb)], b.seq, b.cu, max(ql for ql, _ in rows), 0, 0)
+        sync()
+        same = np.array_equal(eager.view(np.uint32), graph.view(np.uint32))
+        err = relerr(eager, q(b.ref(scale), dt))
+        tol = 1.6e-2
+        differed = int((before.view(np.uint32) != graph.view(np.uint32)).any(axis=1).sum())
+        return same and err <= tol, err, tol, (f"T={T} rows={B} -> graph {size} ({'decode' if decode else 'mixed'}, "
+                                               f"{B + pad} rows, tables {max_blocks}); bitwise equal={same}; tokens "
+                                               f"differing with the former eager attrs: {differed}")
+    return f
+
+
+# A decode step of 3 rows replays the decode graph of 4; mixed steps: decodes beside a prompt's last 2-token chunk
+# (eagerly its own max_q_len 2 had sent every row to the per-token kernel), beside prompts and chunks, and a decode
+# step planned as a mixed graph (cudagraph_only_prefill, or more rows than the largest decode graph)
+graph_eq_decode = [(1, 300), (1, 47), (1, 129)]
+graph_eq_short_chunk = [(1, 700), (1, 90), (1, 5), (2, 2)]
+graph_eq_mixed = [(1, 1000), (1, 33), (1, 260), (37, 37), (50, 150), (3, 3)]
+for fp8 in (False, True):
+    cache = "FP8 cache" if fp8 else "bf16 cache"
+    check(f"paged_attention graphs = eager, bitwise: decode 3 rows in the graph of 4, {cache}",
+          t_attn_graph_eq(graph_eq_decode, 4, True, fp8=fp8))
+    check(f"paged_attention graphs = eager, bitwise: decode 7 rows in the graph of 8, 16/8 heads bs64, {cache}",
+          t_attn_graph_eq([(1, 64 * k + 9) for k in range(7)], 8, True, max_rows=256, max_blocks=32, h=16, kvh=8,
+                          bs=64, fp8=fp8))
+    check(f"paged_attention graphs = eager, bitwise: decodes + a 2-token last chunk in the mixed graph of 16, {cache}",
+          t_attn_graph_eq(graph_eq_short_chunk, 16, False, fp8=fp8))
+    check(f"paged_attention graphs = eager, bitwise: decodes + prompts + chunks in the mixed graph of 128, {cache}",
+          t_attn_graph_eq(graph_eq_mixed, 128, False, max_rows=64, fp8=fp8))
+    check(f"paged_attention graphs = eager, bitwise: a decode step in the mixed graph of 16, {cache}",
+          t_attn_graph_eq(graph_eq_decode, 16, False, fp8=fp8))
+check("paged_attention graphs = eager, bitwise: decode 3 rows in the graph of 4, CUDA-core decode kernel",
+      with_options(t_attn_graph_eq(graph_eq_decode, 4, True), decode_mma=False))
 save()
 
 # ================================================================== (f) logits, argmax, sampling

@@ -851,10 +851,15 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
 using namespace fdl;
 
 // fdl_paged_attention(q, k_cache, v_cache, block_tables, seq_lens_kv, cu_seqlens_q, scale, max_q_len,
-//                     num_splits) -> out [T, h * d]
+//                     num_splits, graph_tokens, max_kv_len) -> out [T, h * d]
 // max_q_len: an upper bound on any row's q_len known to the caller (1 for decode-only graphs: the
 // tile kernel is then not launched); 0 = unknown. num_splits: KV splits of the per-token kernel,
-// 0 = chosen from the shapes (T, kv heads, max_blocks * block_size) and the SMs' room (choose_splits).
+// 0 = chosen from the shapes (graph_tokens, kv heads, max_kv_len) and the SMs' room (choose_splits).
+// graph_tokens, max_kv_len: what the launch plan (tile kernel or not, the KV split count) is chosen for, in place of
+// this call's T and block-table width (0: those): the padded token count of the CUDA graph the step runs in and the
+// longest KV a row may have (max_model_len). An eager step passes those of the graph it would replay in, so that each
+// row gets the same kernel and split count, hence the same bits, eager or replayed (its table is as wide as its
+// longest row, its T unpadded, where a graph's are max_model_len and the captured size).
 // fdl_paged_attention_fp8(q, k_cache, v_cache, k_scale, v_scale, ...): the same over FP8 caches (uint8 e4m3 bits
 // and float32 scales [blocks, kv_heads, block_size]); bf16 / fp16 q, head_dim 64 / 128.
 namespace {
@@ -862,7 +867,8 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
                                            const paddle::Tensor& v_cache, const paddle::Tensor* k_scale,
                                            const paddle::Tensor* v_scale, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& seq_lens, const paddle::Tensor& cu_seqlens,
-                                           float scale, int max_q_len, int num_splits) {
+                                           float scale, int max_q_len, int num_splits, int graph_tokens,
+                                           int max_kv_len) {
   const bool f8 = k_scale != nullptr;
   for (const paddle::Tensor* t : std::initializer_list<const paddle::Tensor*>{&q, &k_cache, &v_cache, &block_tables, &seq_lens, &cu_seqlens}) check_gpu(*t, op, "input");
   const auto& cs = k_cache.shape();
@@ -888,8 +894,12 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   const int B = (int)block_tables.shape()[0], max_blocks = (int)block_tables.shape()[1];
   PD_CHECK(seq_lens.numel() == B && cu_seqlens.numel() == B + 1, op, ": seq_lens_kv [B] and cu_seqlens_q [B + 1]");
 
-  const bool tiles = (max_q_len <= 0 ? T : max_q_len) > kDecodeMaxQ && B > 0;
-  const int64_t by_ctx = std::max<int64_t>(1, ceil_div((int64_t)max_blocks * bs, 2 * KC));  // splits of 2+ chunks
+  PD_CHECK(max_kv_len >= 0 && (graph_tokens == 0 || graph_tokens >= T), op,
+           ": graph_tokens must be 0 or a padded size (>= T), max_kv_len >= 0");
+  const int64_t plan_T = graph_tokens > 0 ? graph_tokens : T;
+  const bool tiles = (max_q_len <= 0 ? plan_T : max_q_len) > kDecodeMaxQ && B > 0;
+  const int64_t kv_bound = max_kv_len > 0 ? max_kv_len : (int64_t)max_blocks * bs;
+  const int64_t by_ctx = std::max<int64_t>(1, ceil_div(kv_bound, 2 * KC));  // splits of 2+ chunks
   // A step that launches the tile kernel takes the compact per-token grid (Args::compact): in a mixed step's graph the
   // rows are padded to max_num_seqs, so a grid sized by B would take the few real decode rows for B of them and give
   // them one split each (Qwen3-30B-A3B's prefill-heavy steps: 75 us a layer for 10 decode rows of 1-2k tokens).
@@ -913,8 +923,11 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
     // the per-token kernels' grid: qpr token slots per row (max_q_len when it bounds q_len within kDecodeMaxQ)
     qpr = max_q_len >= 1 && max_q_len <= kDecodeMaxQ ? max_q_len : kDecodeMaxQ;
     dslots = std::max<int64_t>(1, (int64_t)B * qpr);
-    // at most this many decode tokens: what the split rule sizes, and the rows of the split partials (Args::prows)
+    // at most this many decode tokens: the rows of the split partials (Args::prows), and what the split rule sizes
+    // unless the graph's token count is given (in a graph T <= B qpr: a decode graph has one token a row, a mixed
+    // one of <= 4 tokens 4 slots a row, so the graph itself sizes the same count)
     prows = std::min<int64_t>(T, dslots);
+    const int64_t split_rows = graph_tokens > 0 ? graph_tokens : prows;
     splits = num_splits;
     if (splits <= 0) {
       int per_sm = 1;
@@ -932,10 +945,10 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
           }
         }
       });
-      splits = choose_splits(prows * kvh, by_ctx, (int64_t)per_sm * num_sms());
+      splits = choose_splits(split_rows * kvh, by_ctx, (int64_t)per_sm * num_sms());
     }
     splits = std::max(1, std::min(splits, 64));
-    if (splits > 1 && prows * kvh > kMaxCounters) splits = 1;
+    if (splits > 1 && split_rows * kvh > kMaxCounters) splits = 1;  // split_rows >= prows: the counters' rows
   }
   paddle::Tensor out = paddle::empty({T, (int64_t)h * d}, q.dtype(), q.place());
   paddle::Tensor ws;
@@ -997,28 +1010,32 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& seq_lens, const paddle::Tensor& cu_seqlens,
-                                           float scale, int max_q_len, int num_splits) {
+                                           float scale, int max_q_len, int num_splits, int graph_tokens,
+                                           int max_kv_len) {
   return attention_impl("fdl_paged_attention", q, k_cache, v_cache, nullptr, nullptr, block_tables, seq_lens,
-                        cu_seqlens, scale, max_q_len, num_splits);
+                        cu_seqlens, scale, max_q_len, num_splits, graph_tokens, max_kv_len);
 }
 
 std::vector<paddle::Tensor> PagedAttentionFp8(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                               const paddle::Tensor& v_cache, const paddle::Tensor& k_scale,
                                               const paddle::Tensor& v_scale, const paddle::Tensor& block_tables,
                                               const paddle::Tensor& seq_lens, const paddle::Tensor& cu_seqlens,
-                                              float scale, int max_q_len, int num_splits) {
+                                              float scale, int max_q_len, int num_splits, int graph_tokens,
+                                              int max_kv_len) {
   return attention_impl("fdl_paged_attention_fp8", q, k_cache, v_cache, &k_scale, &v_scale, block_tables, seq_lens,
-                        cu_seqlens, scale, max_q_len, num_splits);
+                        cu_seqlens, scale, max_q_len, num_splits, graph_tokens, max_kv_len);
 }
 
 PD_BUILD_OP(fdl_paged_attention)
     .Inputs({"Q", "KCache", "VCache", "BlockTables", "SeqLensKV", "CuSeqlensQ"})
     .Outputs({"Out"})
-    .Attrs({"scale: float", "max_q_len: int", "num_splits: int"})
+    .Attrs({"scale: float", "max_q_len: int", "num_splits: int", "graph_tokens: int",
+            "max_kv_len: int"})
     .SetKernelFn(PD_KERNEL(PagedAttention));
 
 PD_BUILD_OP(fdl_paged_attention_fp8)
     .Inputs({"Q", "KCache", "VCache", "KScale", "VScale", "BlockTables", "SeqLensKV", "CuSeqlensQ"})
     .Outputs({"Out"})
-    .Attrs({"scale: float", "max_q_len: int", "num_splits: int"})
+    .Attrs({"scale: float", "max_q_len: int", "num_splits: int", "graph_tokens: int",
+            "max_kv_len: int"})
     .SetKernelFn(PD_KERNEL(PagedAttentionFp8));

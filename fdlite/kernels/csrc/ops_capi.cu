@@ -11,7 +11,7 @@
 
 #define FDL_API extern "C" __attribute__((visibility("default")))
 
-FDL_API int fdl_ops_abi_version(void) { return 13; }
+FDL_API int fdl_ops_abi_version(void) { return 14; }
 
 // The switches of fdlite/envs.py the kernels follow (the C++ side reads no environment): pdl = FDLITE_PDL
 // (0, 1 or 2: see fdl::Options), gemv = FDLITE_GEMV, attn_mma = FDLITE_ATTN_MMA (0, 1 or 2), decode_mma =
