@@ -230,15 +230,16 @@ def checks(h) -> None:
             for T, E, k, H, I, kind in ((1, 8, 2, 256, 128, "random"), (29, 8, 2, 136, 40, "uneven"),
                                          (300, 8, 2, 64, 32, "one"), (1000, 64, 8, 256, 128, "idle"),
                                          (300, 16, 8, 2048, 768, "random"), (200, 8, 6, 2560, 1536, "uneven"),
-                                         # several tiles per expert: padded halves of last tiles (their MMAs
+                                         # several tiles per expert (T k >= 256 E: the 16-byte epilogue, the cases
+                                         # above its per-pair stores): padded halves of last tiles (their MMAs
                                          # skipped), one-row last tiles, odd widths, the full-size widths
                                          (1100, 8, 2, 256, 128, "uneven"), (700, 4, 3, 136, 40, "random"),
                                          (513, 2, 1, 64, 32, "one"), (2048, 16, 8, 2048, 768, "random"),
                                          (1500, 8, 6, 2560, 1536, "idle"),
-                                         # widths not multiples of 32: the epilogue's 16-byte stores go by groups of
-                                         # four 8-column blocks, the last group of a row partly past N (2 or 3 blocks
+                                         # widths not multiples of 32: the 16-byte epilogue goes by groups of four
+                                         # 8-column blocks, the last group of a row partly past N (2 or 3 blocks
                                          # inside), in a second N block too (280 = 256 + 24, 176 = 128 + 48)
-                                         (300, 8, 2, 280, 176, "uneven"), (513, 4, 2, 88, 48, "one")):
+                                         (300, 2, 2, 280, 176, "uneven"), (513, 4, 2, 88, 48, "one")):
                 check(f"moe_experts {dt} wgmma block_m=128 T={T} E={E} k={k} H={H} I={I} routing={kind}",
                       t_experts(T, E, k, H, I, dt, kind, 128))
 
