@@ -851,6 +851,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_gpu_ops_cpu.py::test_build_flags_name_each_arch_and_the_cache_key_follows_sources",),
         "new",
     ),
+    Mutation(
+        "eager-step-plans-attention-alone",
+        "An eager step plans its GPU attention (kernel, KV split count) for its own row count, max_q_len and table "
+        "width instead of the graph it would replay in: graphs != eager in bf16",
+        (Edit("fdlite/runner/forward_buffers.py",
+              "graph_attention(*graph) if graph is not None else (flat.max_q_len, 0)",
+              "(flat.max_q_len, 0)"),),
+        ("tests/test_gpu_path_cpu.py::test_emulated_gpu_eager_steps_plan_attention_as_their_graphs",
+         "tests/test_capture_sizes.py::test_an_eager_step_plans_attention_as_the_graph_it_would_run_in"),
+        "new",
+    ),
 )
 
 
