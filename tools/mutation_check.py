@@ -462,8 +462,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "mixed-steps-run-eagerly",
         "Steps with prefill tokens never replay their token-count graphs (only decode-only steps replay)",
         (Edit("fdlite/runner/cudagraph_runner.py",
-              "            fits = batch.num_rows <= self.max_num_seqs\n",
-              "            fits = batch.num_decodes == 0 and batch.num_decodes == batch.num_rows  # MUTATION\n"),),
+              "    fits = batch.num_rows <= max_num_seqs if mixed else batch.num_decodes == batch.num_rows\n",
+              "    fits = batch.num_decodes == 0 and batch.num_decodes == batch.num_rows if mixed else "
+              "batch.num_decodes == batch.num_rows  # MUTATION\n"),),
         ("tests/test_graph_optimization.py",),
         "new",
     ),
