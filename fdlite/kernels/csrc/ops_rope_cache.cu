@@ -34,6 +34,15 @@ namespace {
 // token against 1.9).
 constexpr int64_t kRopeGroupFrom = 512;
 
+// The cache row of a token's slot for KV head j: ((slot / block_size) * kvh + j) * block_size + slot % block_size,
+// named once for both kernels. I: the division's type, int64_t, or unsigned where the caller knows the slot fits
+// (rope_cache_wide_kernel: a 32-bit division, cheaper than the 64-bit one).
+template <typename I>
+__device__ __forceinline__ int64_t slot_cache_row(I slot, int block_size, int kvh, int j) {
+  const I bs = (I)block_size;
+  return ((int64_t)(slot / bs) * kvh + j) * block_size + slot % bs;
+}
+
 // One warp per (token, group of HPW consecutive heads) of q, k and v heads: the token's cos / sin row is read once per
 // group (read per head, those table reads were 3x the qkv bytes at head_dim 128; HPW 4 from kRopeGroupFrom tokens).
 // Lane l holds VEC consecutive pairs (i, i + d/2), i = VEC l + 32 VEC p + v, so the rotate_half partner is in the same
@@ -149,7 +158,7 @@ __global__ void rope_cache_kernel(T* __restrict__ q_out, void* __restrict__ k_ca
     } else {
       if (slot < 0) continue;  // padded tokens write no cache row (the whole warp: uniform)
       const int j = is_k ? hd - h : hd - h - kvh;
-      const int64_t row = (slot / block_size * kvh + j) * block_size + slot % block_size;
+      const int64_t row = slot_cache_row(slot, block_size, kvh, j);
       if constexpr (F8) {
         float amax = 0.f;
 #pragma unroll
@@ -407,8 +416,8 @@ __global__ void __launch_bounds__(kWideWarps * 32, STEPS == 1 ? 4 : 2)
   } else {
     if (slot < 0) return;  // padded tokens write no cache row
     const int jh = is_k ? hd - h : hd - h - kvh;
-    const unsigned sl = (unsigned)slot, bsz = (unsigned)block_size;  // a cache of 2^32 slots would not fit in memory
-    const int64_t row = ((int64_t)(sl / bsz) * kvh + jh) * block_size + sl % bsz;
+    // unsigned: a 32-bit division (a cache of 2^32 slots would not fit in memory)
+    const int64_t row = slot_cache_row((unsigned)slot, block_size, kvh, jh);
     dst = (is_k ? k_cache : v_cache) + row * d;
   }
 #pragma unroll
