@@ -248,6 +248,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const L* __
     ln.sort();
     route_select(ln, lane, k, renormalize, norm_min, tid, tw);
   } else {
+    // The softmax of the register path again, over shared-memory slots. Not one storage-generic helper for both:
+    // that changed the code of the E <= 32 kernels with a bias (their logit and bias loads no longer under one branch).
     SmemLane ln;
     ln.p_ = route_smem + (size_t)warp * 2 * E + lane;
     ln.key_ = reinterpret_cast<unsigned*>(ln.p_ + E);

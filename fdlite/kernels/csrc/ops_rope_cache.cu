@@ -212,7 +212,9 @@ __global__ void rope_cache_kernel(T* __restrict__ q_out, void* __restrict__ k_ca
 constexpr int kWideLanes = 8;
 constexpr int kWideWarps = 8;  // warps per block: a block's units span about one token's head groups (shared rows)
 
-// A chunk of 8 elements of T or C as 16-byte pieces (2 for float).
+// A chunk of 8 elements of T or C as 16-byte pieces (2 for float). Not ops_common.cuh's Vec<X, 8>: held as elements
+// of X, the chunks are unpacked at their loads instead of at their uses, which changes the generated code of every
+// wide kernel (the measured code is this one).
 template <typename X>
 struct Chunk {
   static constexpr int kPieces = 8 * (int)sizeof(X) / 16;
