@@ -159,7 +159,8 @@ def prefill_attention(q, k_cache, v_cache, meta: ForwardMeta, span, scale: float
 def _use_cpp(q, k_cache) -> bool:
     """The C++ op serves float32 queries over float32 or FP8 caches on CPU; other dtypes (and machines where it
     cannot be built) use the reference."""
-    return (q.dtype == paddle.float32 and k_cache.dtype in (paddle.float32, Fp8Cache.dtype)
+    # (`Fp8Cache.dtype` is an instance property: read on the class it is no dtype, and FP8 caches took the reference)
+    return (q.dtype == paddle.float32 and (isinstance(k_cache, Fp8Cache) or k_cache.dtype == paddle.float32)
             and k_cache.place.is_cpu_place() and cpu_attention.available())
 
 
