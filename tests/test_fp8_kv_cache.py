@@ -74,6 +74,27 @@ def test_prefill_logprob_error_next_to_transformers_bf16(model_dirs, family):
     assert max(prompt_logprob_errors(model_dirs[family], prompts[:1], [exact.prompt_logprobs])[0]) < 1e-3  # exact
 
 
+def test_fp8_cache_steps_run_the_cpp_attention_op(model_dirs, monkeypatch):
+    """The CPU engine's FP8 cache takes the C++ attention op (it reads e4m3 rows in place), as float32 caches do, not
+    the Paddle-op reference, whose gathers copy every step's context."""
+    from fdlite.kernels import cpu_attention  # noqa: PLC0415
+
+    if not cpu_attention.available():
+        pytest.skip("the C++ attention op cannot be built here")
+    calls = []
+    real = cpu_attention.paged_attention
+
+    def counting(q, k_cache, *args, **kwargs):
+        calls.append(isinstance(k_cache, Fp8Cache))
+        return real(q, k_cache, *args, **kwargs)
+    monkeypatch.setattr(cpu_attention, "paged_attention", counting)
+    llm = LLM(model_dirs["qwen2"], kv_cache_dtype="fp8", **COMMON)
+    calls.clear()  # the profiling run aside
+    llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(temperature=0, max_tokens=4),
+                 use_tqdm=False)
+    assert calls and all(calls), calls
+
+
 def test_preemption_prefix_hits_and_poisoned_blocks_give_the_same_tokens(model_dirs, monkeypatch):
     rng = np.random.default_rng(9)
     shared = rng.integers(3, 250, 40).tolist()

@@ -863,6 +863,15 @@ MUTATIONS: tuple[Mutation, ...] = (
          "tests/test_capture_sizes.py::test_an_eager_step_plans_attention_as_the_graph_it_would_run_in"),
         "new",
     ),
+    Mutation(
+        "fp8-cache-skips-the-cpp-op",
+        "CPU attention over an FP8 cache runs the Paddle-op reference instead of the C++ op",
+        (Edit("fdlite/layers/attention.py",
+              "(isinstance(k_cache, Fp8Cache) or k_cache.dtype == paddle.float32)",
+              "k_cache.dtype in (paddle.float32, Fp8Cache.dtype)"),),
+        ("tests/test_fp8_kv_cache.py::test_fp8_cache_steps_run_the_cpp_attention_op",),
+        "new",
+    ),
 )
 
 
