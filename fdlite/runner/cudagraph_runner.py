@@ -144,7 +144,7 @@ class CudaGraphRunner:
 
     def close(self) -> None:
         """Free every graph (and its memory pool) and drop the runner's references to the model, the KV cache
-        and the buffers; no graph may be replayed afterwards (`size_for` then sends every batch eagerly).
+        and the buffers; no graph may be replayed afterwards (with `graphs` empty, every batch then runs eagerly).
         The captured function (the eager stand-in keeps it) refers back to this runner: closing breaks that cycle."""
         graphs, self.graphs = self.graphs, {}
         for graph in graphs.values():

@@ -65,6 +65,12 @@ FDL_DEVICE = os.environ.get("FDLITE_E2E_DEVICE", "gpu")
 HF_DEVICE = "cuda" if FDL_DEVICE == "gpu" else "cpu"
 
 
+def wanted_case(name: str) -> bool:
+    """Whether --cases picks `name` (a case, or a moe_bench shape): it holds one of the words, or no word is given."""
+    words = [w for w in ARGS.cases.split(",") if w]
+    return not words or any(w in name for w in words)
+
+
 def log(*a):
     print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
 
@@ -1448,10 +1454,8 @@ def section_fp8():
     tokens/s with either cache, one LLM alive at a time."""
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
 
-    wanted = [w for w in ARGS.cases.split(",") if w]
-
-    def case(name, fn):  # the cases --cases names, every case without it
-        if not wanted or any(w in name for w in wanted):
+    def case(name, fn):
+        if wanted_case(name):
             run(name, fn)
 
     for fam in ("qwen3", "llama"):
@@ -1626,12 +1630,11 @@ def section_sampling():
     run("startup", startup)
     if "llm" not in state:
         return
-    wanted = [w for w in ARGS.cases.split(",") if w]
     run("warm-up run (plain, not counted)", bench(*cases["temperature=0.6"]))
     for name, (kw, n) in cases.items():
-        if not wanted or any(w in name for w in wanted):
+        if wanted_case(name):
             run(name, bench(kw, n))
-    if not wanted or "forced" in wanted:  # logit_bias +100 on one token decides every draw
+    if not ARGS.cases or "forced" in ARGS.cases.split(","):  # logit_bias +100 on one token decides every draw
         def forced():
             outs = state["llm"].generate([{"prompt_token_ids": p} for p in prompts[:8]], SamplingParams(
                 temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, logit_bias={4242: 100.0}), use_tqdm=False)
@@ -2022,7 +2025,7 @@ def section_moe_bench():
     from fdlite import SamplingParams  # noqa: PLC0415
     from moe_roofline import ModelCosts, StepLog, job_roofline  # noqa: PLC0415
 
-    names = [n for n in MOE_BENCH_SHAPES if not ARGS.cases or any(w in n for w in ARGS.cases.split(","))]
+    names = [n for n in MOE_BENCH_SHAPES if wanted_case(n)]
     for name in names:
         state = {}
         costs = ModelCosts.from_dir(config_only_model(name))

@@ -108,7 +108,7 @@ void launch_fma(const MoeGemmArgs& a, int64_t tiles, bool pdl, cudaStream_t s) {
 // The wgmma kernels' 16-byte epilogue (moe_gemm_wgmma.cuh) pays where an expert's tiles are mostly full: at two
 // tiles of rows per expert on average (Qwen3-30B-A3B: 4,096 tokens, measured faster there and at 8,192; slower at
 // 1,024 and below). A function of (T k, E): a captured graph keeps its choice.
-inline bool moe_wide_stores(int64_t n, int64_t E) { return n >= 2 * 128 * E; }
+inline bool moe_wide_stores(int64_t n, int64_t E) { return n >= 2 * MoeWgCfg<true, true>::BM * E; }
 
 template <typename T>
 void launch_gemms(MoeGemmArgs up, MoeGemmArgs down, int bm, int64_t tiles, int64_t E, bool wide, bool pdl,
