@@ -1504,15 +1504,22 @@ if not ARGS.no_bench:
                           ctxs=(512, 2048, 4096), kernels=(None,)):
         """Decode attention GB/s against the KV bytes read; splits_list: num_splits values (0 = automatic); fp8: over
         FP8 caches (e4m3 bytes + a float32 scale per row: head_dim + 4 bytes a vector); heads: (query, KV) heads
-        (Qwen3-0.6B's by default); kernels: FDLITE_DECODE_MMA values to time side by side (None: the default)."""
+        (Qwen3-0.6B's by default); kernels: FDLITE_DECODE_MMA values to time side by side (None: the default). A ctx
+        of "mixed" gives the rows lengths drawn from 100-2,048 (the nano-vllm protocol's prompts plus outputs), the
+        bytes summed over them."""
         out = []
         (h, kvh), d, bs = heads, 128, 64
         for ctx in ctxs:
             for B in batches:
-                nbr = ctx // bs
-                ws = B * ctx * kvh * (d + 4 if fp8 else d * 2) * 2
+                if ctx == "mixed":
+                    lens = np.random.default_rng(B).integers(100, 2049, B).astype(np.int32)
+                else:
+                    lens = np.full(B, ctx, np.int32)
+                nbrs = [-(-int(L) // bs) for L in lens]
+                ws = int(lens.sum()) * kvh * (d + 4 if fp8 else d * 2) * 2
                 sets = max(1, min(8, math.ceil(256e6 / ws)))  # rotate past the 50 MB L2
-                nb = sets * B * nbr
+                per_set = sum(nbrs)
+                nb = sets * per_set
                 if fp8:  # 0x30 = 0.5 in e4m3, scales 0.02 / 0.04
                     kc, vc = (types.SimpleNamespace(data=empty([nb + 1, kvh, bs, d], "uint8"),
                                                     scale=empty([nb + 1, kvh, bs], "float32")) for _ in range(2))
@@ -1526,10 +1533,16 @@ if not ARGS.no_bench:
                     G.fill_(vc, 0.02)
                 attend = G.paged_attention_fp8 if fp8 else G.paged_attention
                 perm = rng.permutation(nb).astype(np.int32)
-                width = max(nbr, 4096 // bs)  # the engine's tables are max_model_len wide (the split choice sees it)
-                bts = [to_gpu(np.pad(perm[i * B * nbr:(i + 1) * B * nbr].reshape(B, nbr), ((0, 0), (0, width - nbr))),
-                              "int32") for i in range(sets)]
-                seq = to_gpu(np.full(B, ctx, np.int32), "int32")
+                width = max(max(nbrs), 4096 // bs)  # the engine's tables are max_model_len wide (the split choice sees it)
+                bts = []
+                for i in range(sets):
+                    tab = np.zeros((B, width), np.int32)
+                    o = i * per_set
+                    for r, n_ in enumerate(nbrs):
+                        tab[r, :n_] = perm[o:o + n_]
+                        o += n_
+                    bts.append(to_gpu(tab, "int32"))
+                seq = to_gpu(lens, "int32")
                 cu = to_gpu(np.arange(B + 1, dtype=np.int32), "int32")
                 qg = to_gpu(rng.standard_normal((B, h, d)), "bfloat16")
                 for splits in splits_list:
@@ -1551,7 +1564,7 @@ if not ARGS.no_bench:
                                "kv_MB": round(ws / 1e6, 2), "GB_s": round(gbs), "roofline_us": round(ws / HBM * 1e6, 2),
                                "frac_of_3TBs": round(gbs * 1e9 / HBM, 3)}
                         out.append(row)
-                        log(f"  decode attn{' fp8' if fp8 else ''} {h}/{kvh} heads B={B:4d} ctx={ctx:5d} "
+                        log(f"  decode attn{' fp8' if fp8 else ''} {h}/{kvh} heads B={B:4d} ctx={ctx!s:>5} "
                             f"splits={splits or 'auto'} decode_mma={row['decode_mma']}: {us:9.2f} us  {gbs:7.0f} GB/s  "
                             f"({row['frac_of_3TBs']:.0%} of 3.0 TB/s)")
                 del kc, vc
@@ -1738,6 +1751,8 @@ if not ARGS.no_bench:
                ("attention_mixed", bench_attn_mixed),
                ("attention_decode_splits", lambda: bench_attn_decode((64, 128, 192, 256), (0, 1, 2, 3, 4, 5, 6, 8))),
                ("attention_decode_fp8", lambda: bench_attn_decode(fp8=True)),
+               # rows of protocol-like lengths (100-2,048 keys): what the decode graphs of the protocol meet
+               ("attention_decode_mixed", lambda: bench_attn_decode((64, 128, 256), ctxs=("mixed",))),
                # GQA groups of 2, 4 and 8 query heads per KV head (Qwen3-0.6B, Llama-3.1-8B, Qwen3-30B-A3B layers):
                # the CUDA-core per-token kernel's work per KV byte grows with the group; the tensor-core one
                # (the default) beside it
