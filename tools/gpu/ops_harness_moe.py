@@ -230,9 +230,10 @@ def checks(h) -> None:
             for T, E, k, H, I, kind in ((1, 8, 2, 256, 128, "random"), (29, 8, 2, 136, 40, "uneven"),
                                          (300, 8, 2, 64, 32, "one"), (1000, 64, 8, 256, 128, "idle"),
                                          (300, 16, 8, 2048, 768, "random"), (200, 8, 6, 2560, 1536, "uneven"),
-                                         # several tiles per expert (T k >= 256 E: the 16-byte epilogue, the cases
-                                         # above its per-pair stores): padded halves of last tiles (their MMAs
-                                         # skipped), one-row last tiles, odd widths, the full-size widths
+                                         # several tiles per expert (the 16-byte epilogue, from T k >= 32 E, as
+                                         # most cases above; the first two take the per-pair stores): padded
+                                         # halves of last tiles (their MMAs skipped), one-row last tiles, odd
+                                         # widths, the full-size widths
                                          (1100, 8, 2, 256, 128, "uneven"), (700, 4, 3, 136, 40, "random"),
                                          (513, 2, 1, 64, 32, "one"), (2048, 16, 8, 2048, 768, "random"),
                                          (1500, 8, 6, 2560, 1536, "idle"),

@@ -220,11 +220,14 @@ __global__ void __launch_bounds__(C::NTH, 1)
       // 16-byte stores: lane q of a quad holds words (2 columns) q of blocks nb0..nb0 + 3; a 4 x 4 transpose of words
       // across the quad gives it the 4 words of block nb0 + q, 8 consecutive columns. A warp's store then fills 8 rows
       // x 64 bytes (whole 32-byte sectors, not half of each), and a quarter as many stores go out. The quad shares its
-      // rows (lane / 4), so rid is quad-uniform; the shuffles still run on every lane (only the store is predicated).
+      // rows (lane / 4), so rid is quad-uniform; the shuffles still run on every lane (only the store is predicated),
+      // except in a warp whose 8 rows are all padding, which skips them (the layer 0.8-3.8% faster at 4,096-8,192
+      // tokens, measured).
       const int q4 = lane & 3;
       const bool hi2 = q4 & 2, odd = q4 & 1;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
+        if (!__any_sync(0xffffffffu, rid[hf] >= 0)) continue;  // a warp whose 8 rows are all padding: warp-uniform
         const int m = mrow + 8 * hf;
 #pragma unroll
         for (int nb0 = 0; nb0 < C::OUT_N / 8; nb0 += 4) {
