@@ -22,12 +22,14 @@
 // Rows of a box past the expert's own (N not a multiple of the box) are the next rows of the tensor or TMA's zeros:
 // they feed only output columns >= N, which are never written; act's padding rows (never written by the gate/up
 // GEMM) feed only padding rows of y, never written either.
-// Epilogue (WIDE, ops_moe.cu picks it at prefill sizes): the accumulator layout gives a thread 2 columns of each
-// 8-column block, so a 4-byte store per block fills only half of each 32-byte sector a warp's store touches; the
-// lanes of a quad (which share their rows) transpose their packed words 4 blocks at a time, each lane then storing
-// one whole block (8 columns, 16 bytes). The values and the columns and rows written are those of a store per pair.
-// Measured on the H100 (Qwen3-30B-A3B layer): 11-13% faster at 4,096-8,192 tokens, but 2-17% slower at 1-1,024,
-// where tiles are mostly padding rows whose values the transpose computes too; there each thread stores its pairs.
+// Epilogue (WIDE, ops_moe.cu picks it from a quarter tile of rows per expert, moe_wide_stores): the accumulator
+// layout gives a thread 2 columns of each 8-column block, so a 4-byte store per block fills only half of each 32-byte
+// sector a warp's store touches; the lanes of a quad (which share their rows) transpose their packed words 4 blocks
+// at a time, each lane then storing one whole block (8 columns, 16 bytes). The values and the columns and rows
+// written are those of a store per pair. Measured on the H100 (Qwen3-30B-A3B layer): 11-13% faster at 4,096-8,192
+// tokens, 2% at 1,024, but slower at 256 and below, where tiles are mostly padding rows (a warp whose rows are all
+// padding skips the transpose; the others compute their padding rows' values too); there each thread stores its
+// pairs.
 // Each output element is a sum over K in chunk order (wgmma's own order inside a chunk), whatever the other rows
 // of its tile are: a token's result does not depend on its batch among launches of this kernel. A computing
 // warpgroup whose 64 rows are all padding (the tail of an expert's last tile) skips its MMAs.
