@@ -7,7 +7,8 @@ environment: see tests/env_patch.py). Unset and empty mean the default.
 
 New behaviour switches belong in `EngineConfig` (fdlite/config.py); a variable here is a location, a
 toolchain setting, or a debug switch. The C++ sources read no environment: fdlite/kernels/gpu.py passes
-FDLITE_PDL, FDLITE_GEMV, FDLITE_ATTN_MMA and FDLITE_DECODE_MMA to the ops library once, when it loads it (`fdl_set_options`).
+FDLITE_PDL, FDLITE_GEMV, FDLITE_ATTN_MMA, FDLITE_DECODE_MMA and FDLITE_DECODE_SPLIT_KEYS to the ops library once, when it
+loads it (`fdl_set_options`).
 
 fdlite also *sets* two variables for the libraries it drives, which are not options: MKL_DEBUG_CPU_TYPE
 (fdlite/mkl_amd.py, before Paddle loads MKL) and PADDLE_DISTRI_BACKEND (fdlite/distributed/parallel_state.py, after
@@ -110,6 +111,11 @@ VARIABLES: dict[str, Var] = {
     "FDLITE_DECODE_MMA": Var("1", "0 sends bf16/fp16 decode attention to the CUDA-core kernel instead of the "
                              "tensor-core (mma.sync) one (for side-by-side measurements; passed to the library at "
                              "load).", _flag),
+    "FDLITE_DECODE_SPLIT_KEYS": Var("512", "GPU decode attention in decode-only steps: a row longer than this many keys "
+                                    "gets ceil(keys / this) KV splits, up to 4 (at least the count the shapes "
+                                    "give), so long rows do not form the tail; 0 = the shapes' count for every row "
+                                    "(0 or a multiple of 64 up to 4096; for side-by-side measurements; passed to the "
+                                    "library at load).", _int),
     "FDLITE_CUDAGRAPH_BACKEND": Var("", "`eager` replaces CUDA graph capture by fdlite's eager-replay stand-in "
                                     "(fdlite/graph/eager_replay.py), on any device: for CPU tests.", _lower),
     # --- debugging
@@ -191,6 +197,7 @@ if TYPE_CHECKING:
     FDLITE_GEMV: bool
     FDLITE_ATTN_MMA: int
     FDLITE_DECODE_MMA: bool
+    FDLITE_DECODE_SPLIT_KEYS: int
     FDLITE_CUDAGRAPH_BACKEND: str
     FDLITE_INCREMENTAL_DETOKENIZE: bool
     FDLITE_DEBUG_POISON_FREED_BLOCKS: bool

@@ -194,7 +194,7 @@ def test_parsing(monkeypatch):
 
 
 def test_gpu_ops_take_their_switches_from_python():
-    """ops_capi.cu exports fdl_set_options(int pdl, int gemv, int attn_mma, int decode_mma), gpu.py declares every exported C function with
+    """ops_capi.cu exports fdl_set_options(int pdl, int gemv, int attn_mma, int decode_mma, int decode_split_keys), gpu.py declares every exported C function with
     the right number of arguments, and both agree on the ABI version."""
     from fdlite.kernels import gpu
 
@@ -204,27 +204,30 @@ def test_gpu_ops_take_their_switches_from_python():
     assert set(exported) == set(gpu.CAPI_SIGNATURES)
     for name, params in exported.items():
         assert len(params) == len(gpu.CAPI_SIGNATURES[name][1]), name
-    assert exported["fdl_set_options"] == ["int pdl", " int gemv", " int attn_mma", " int decode_mma"]
+    assert exported["fdl_set_options"] == ["int pdl", " int gemv", " int attn_mma", " int decode_mma", " int decode_split_keys"]
     version = re.search(r"fdl_ops_abi_version\(void\)\s*\{\s*return (\d+);", text).group(1)
     assert int(version) == gpu.ABI_VERSION
 
 
 def test_gpu_switches_reach_the_library_in_order(monkeypatch):
-    """`gpu.set_options` hands (pdl, gemv, attn_mma, decode_mma) to fdl_set_options in that order, None keeping the
-    value from the environment; a pdl the library refuses is an error naming it."""
+    """`gpu.set_options` hands (pdl, gemv, attn_mma, decode_mma, decode_split_keys) to fdl_set_options in that order, None
+    keeping the value from the environment; a value the library refuses is an error naming it."""
     from fdlite.kernels import gpu
 
     calls = []
 
-    class FakeCapi:
-        def fdl_set_options(self, pdl, gemv, attn_mma, decode_mma):
-            calls.append((pdl, gemv, attn_mma, decode_mma))
+    class FakeCapi:  # the checks of ops_capi.cu's fdl_set_options
+        def fdl_set_options(self, pdl, gemv, attn_mma, decode_mma, decode_split_keys):
+            calls.append((pdl, gemv, attn_mma, decode_mma, decode_split_keys))
+            if not 0 <= decode_split_keys <= 4096 or decode_split_keys % 64:
+                return 2
             return 0 if 0 <= pdl <= 2 else 1
 
     monkeypatch.setenv("FDLITE_PDL", "1")
     monkeypatch.setenv("FDLITE_GEMV", "0")
     monkeypatch.setenv("FDLITE_ATTN_MMA", "1")
     monkeypatch.setenv("FDLITE_DECODE_MMA", "1")
+    monkeypatch.setenv("FDLITE_DECODE_SPLIT_KEYS", "128")
     envs.refresh()
     monkeypatch.setitem(gpu._state, "path", "fake")
     monkeypatch.setitem(gpu._state, "capi", FakeCapi())
@@ -234,9 +237,13 @@ def test_gpu_switches_reach_the_library_in_order(monkeypatch):
         gpu.set_options(pdl=0, gemv=True)
         gpu.set_options(attn_mma=2)
         gpu.set_options(decode_mma=False)
-        assert calls == [(1, 0, 0, 1), (1, 0, 1, 1), (0, 1, 1, 1), (1, 0, 2, 1), (1, 0, 1, 0)]
+        gpu.set_options(decode_split_keys=256)
+        assert calls == [(1, 0, 0, 1, 128), (1, 0, 1, 1, 128), (0, 1, 1, 1, 128), (1, 0, 2, 1, 128),
+                         (1, 0, 1, 0, 128), (1, 0, 1, 1, 256)]
         with pytest.raises(gpu.GpuOpsError, match="pdl=5"):
             gpu.set_options(pdl=5)
+        with pytest.raises(gpu.GpuOpsError, match="decode_split_keys=96"):
+            gpu.set_options(decode_split_keys=96)
     finally:
         monkeypatch.undo()
         envs.refresh()

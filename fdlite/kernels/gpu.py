@@ -15,7 +15,8 @@ does for the fused qkv).
 
 `load()` registers the ops once per process: from $FDLITE_GPU_OPS_LIB, else from the on-disk build
 cache (fdlite.kernels.build, compiled on first use), and passes the library its run-time switches from
-fdlite/envs.py (FDLITE_PDL, FDLITE_GEMV, FDLITE_ATTN_MMA, FDLITE_DECODE_MMA: the C++ side reads no environment; `set_options` changes
+fdlite/envs.py (FDLITE_PDL, FDLITE_GEMV, FDLITE_ATTN_MMA, FDLITE_DECODE_MMA, FDLITE_DECODE_SPLIT_KEYS: the C++ side
+reads no environment; `set_options` changes
 them later, for side-by-side measurements). The models reach them through the CPU/GPU dispatch of `fdlite/layers/` (`CustomOp`, `fdlite/kernels/custom_op.py`).
 
 Cost: the checks are Python attribute reads on Paddle tensors (measured on the H100 machine's host
@@ -61,7 +62,7 @@ _vp, _int, _size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 # The plain C entry points of ops_capi.cu: name -> (restype, argtypes).
 CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fdl_ops_abi_version": (_int, []),
-    "fdl_set_options": (_int, [_int, _int, _int, _int]),
+    "fdl_set_options": (_int, [_int, _int, _int, _int, _int]),
     "fdl_event_create": (_vp, []),
     "fdl_event_record": (_int, [_vp, _vp]),
     "fdl_event_elapsed_ms": (ctypes.c_float, [_vp, _vp]),
@@ -80,9 +81,9 @@ CAPI_SIGNATURES: dict[str, tuple[object, list[object]]] = {
 CAPI_KEEP_GIL = frozenset({"fdl_ops_abi_version", "fdl_set_options", "fdl_event_create", "fdl_event_record",
                            "fdl_event_destroy", "fdl_memcpy_h2d_async", "fdl_memcpy_h2d_many",
                            "fdl_memcpy_h2d_many_pinned", "fdl_memcpy_d2h_async"})
-ABI_VERSION = 14  # fdl_ops_abi_version() of the sources this module speaks to (7: MoE ops; 8: fdl_add_; 9: FP8 KV;
+ABI_VERSION = 15  # fdl_ops_abi_version() of the sources this module speaks to (7: MoE ops; 8: fdl_add_; 9: FP8 KV;
 #                  10: fdl_memcpy_h2d_many_pinned; 11: attn_mma 0 / 1 / 2; 12: decode_mma; 13: moe_experts' shared;
-#                  14: paged attention's graph_tokens / max_kv_len)
+#                  14: paged attention's graph_tokens / max_kv_len; 15: decode_split_keys)
 
 
 def load(path: str | None = None) -> str:
@@ -108,22 +109,27 @@ def load(path: str | None = None) -> str:
 
 
 def _apply_options(capi, pdl: int | None = None, gemv: bool | None = None, attn_mma: int | None = None,
-                   decode_mma: bool | None = None) -> None:
+                   decode_mma: bool | None = None, decode_split_keys: int | None = None) -> None:
     """The library's switches: the given values, the rest from fdlite/envs.py."""
     vals = (envs.FDLITE_PDL if pdl is None else pdl, int(envs.FDLITE_GEMV if gemv is None else gemv),
             int(envs.FDLITE_ATTN_MMA if attn_mma is None else attn_mma),
-            int(envs.FDLITE_DECODE_MMA if decode_mma is None else decode_mma))
-    if capi.fdl_set_options(*vals):
+            int(envs.FDLITE_DECODE_MMA if decode_mma is None else decode_mma),
+            int(envs.FDLITE_DECODE_SPLIT_KEYS if decode_split_keys is None else decode_split_keys))
+    rc = capi.fdl_set_options(*vals)
+    if rc == 2:
+        raise GpuOpsError(f"fdl_set_options refused decode_split_keys={vals[4]} (FDLITE_DECODE_SPLIT_KEYS: 0 or a multiple of "
+                          "64 up to 4096)")
+    if rc:
         raise GpuOpsError(f"fdl_set_options refused pdl={vals[0]}, attn_mma={vals[2]} (FDLITE_PDL and FDLITE_ATTN_MMA: "
                           "0, 1 or 2)")
 
 
 def set_options(pdl: int | None = None, gemv: bool | None = None, attn_mma: int | None = None,
-                decode_mma: bool | None = None) -> None:
+                decode_mma: bool | None = None, decode_split_keys: int | None = None) -> None:
     """Change the ops library's switches after load (None keeps the value from fdlite/envs.py). Launches after
     the call follow it; captured graphs keep what they captured. For side-by-side measurements in one process."""
     load()
-    _apply_options(_state["capi"], pdl, gemv, attn_mma, decode_mma)
+    _apply_options(_state["capi"], pdl, gemv, attn_mma, decode_mma, decode_split_keys)
 
 
 def _run(name: str, *args):

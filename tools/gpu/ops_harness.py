@@ -903,6 +903,11 @@ check("paged_attention compact grid: 150 leading decode rows (no split) + a pref
       t_attn([(1, 300 + 7 * i) for i in range(150)] + [(200, 200)]))
 check("paged_attention compact grid, CUDA-core decode kernel: long decode rows split + prefill, 32/4 heads",
       with_options(t_attn(long_decodes + [(300, 500)], h=32, kvh=4), decode_mma=False))
+for sk in (64, 0):  # the length rule cutting long rows finer (64 keys: up to 4 splits a row), and off
+    check(f"paged_attention decode-only step, split_keys={sk}: long and short rows (max_q_len=1), 32/4 heads",
+          with_options(t_attn(long_decodes + [(1, 0), (1, 3000)], h=32, kvh=4, max_q_len=1), decode_split_keys=sk))
+    check(f"paged_attention decode-only step, split_keys={sk}, CUDA-core kernel: long and short rows",
+          with_options(t_attn(long_decodes, max_q_len=1), decode_split_keys=sk, decode_mma=False))
 check("paged_attention compact grid, forced splits=7: long decode rows + prefill + empty rows",
       t_attn(long_decodes + [(300, 500)] + [(0, 0)] * 9, h=32, kvh=4, splits=7))
 check("paged_attention bs16 d64 14/2 heads (g=7) mixed bf16", t_attn(mixed_rows, h=14, kvh=2, d=64, bs=16))
@@ -1501,10 +1506,11 @@ if not ARGS.no_bench:
     HBM = 3.0e12
 
     def bench_attn_decode(batches=(1, 16, 64, 128, 256), splits_list=(0,), fp8=False, heads=(16, 8),
-                          ctxs=(512, 2048, 4096), kernels=(None,)):
+                          ctxs=(512, 2048, 4096), kernels=(None,), split_keys=(None,)):
         """Decode attention GB/s against the KV bytes read; splits_list: num_splits values (0 = automatic); fp8: over
         FP8 caches (e4m3 bytes + a float32 scale per row: head_dim + 4 bytes a vector); heads: (query, KV) heads
-        (Qwen3-0.6B's by default); kernels: FDLITE_DECODE_MMA values to time side by side (None: the default). A ctx
+        (Qwen3-0.6B's by default); kernels: FDLITE_DECODE_MMA values to time side by side (None: the default);
+        split_keys: FDLITE_DECODE_SPLIT_KEYS values (None: the default). A ctx
         of "mixed" gives the rows lengths drawn from 100-2,048 (the nano-vllm protocol's prompts plus outputs), the
         bytes summed over them."""
         out = []
@@ -1547,26 +1553,28 @@ if not ARGS.no_bench:
                 qg = to_gpu(rng.standard_normal((B, h, d)), "bfloat16")
                 for splits in splits_list:
                     for kern in kernels:
-                        i = [0]
+                        for sk in split_keys:
+                            i = [0]
 
-                        def fn():
-                            attend(qg, kc, vc, bts[i[0] % sets], seq, cu, d ** -0.5, 1, splits)
-                            i[0] += 1
-                        if kern is not None:
-                            G.set_options(decode_mma=kern)
-                        try:
-                            us = graph_time_us(fn, per_graph=8 * sets if sets < 4 else sets * 2, replays=5)
-                        finally:
-                            G.set_options()
-                        gbs = ws / (us * 1e-6) / 1e9
-                        row = {"heads": [h, kvh], "batch": B, "ctx": ctx, "num_splits": splits,
-                               "decode_mma": "default" if kern is None else int(kern), "us": round(us, 2),
-                               "kv_MB": round(ws / 1e6, 2), "GB_s": round(gbs), "roofline_us": round(ws / HBM * 1e6, 2),
-                               "frac_of_3TBs": round(gbs * 1e9 / HBM, 3)}
-                        out.append(row)
-                        log(f"  decode attn{' fp8' if fp8 else ''} {h}/{kvh} heads B={B:4d} ctx={ctx!s:>5} "
-                            f"splits={splits or 'auto'} decode_mma={row['decode_mma']}: {us:9.2f} us  {gbs:7.0f} GB/s  "
-                            f"({row['frac_of_3TBs']:.0%} of 3.0 TB/s)")
+                            def fn():
+                                attend(qg, kc, vc, bts[i[0] % sets], seq, cu, d ** -0.5, 1, splits)
+                                i[0] += 1
+                            if kern is not None or sk is not None:
+                                G.set_options(decode_mma=kern, decode_split_keys=sk)
+                            try:
+                                us = graph_time_us(fn, per_graph=8 * sets if sets < 4 else sets * 2, replays=5)
+                            finally:
+                                G.set_options()
+                            gbs = ws / (us * 1e-6) / 1e9
+                            row = {"heads": [h, kvh], "batch": B, "ctx": ctx, "num_splits": splits,
+                                   "decode_mma": "default" if kern is None else int(kern),
+                                   "split_keys": "default" if sk is None else sk, "us": round(us, 2),
+                                   "kv_MB": round(ws / 1e6, 2), "GB_s": round(gbs), "roofline_us": round(ws / HBM * 1e6, 2),
+                                   "frac_of_3TBs": round(gbs * 1e9 / HBM, 3)}
+                            out.append(row)
+                            log(f"  decode attn{' fp8' if fp8 else ''} {h}/{kvh} heads B={B:4d} ctx={ctx!s:>5} "
+                                f"splits={splits or 'auto'} decode_mma={row['decode_mma']} split_keys={row['split_keys']}: "
+                                f"{us:9.2f} us  {gbs:7.0f} GB/s  ({row['frac_of_3TBs']:.0%} of 3.0 TB/s)")
                 del kc, vc
         return out
 
@@ -1753,6 +1761,9 @@ if not ARGS.no_bench:
                ("attention_decode_fp8", lambda: bench_attn_decode(fp8=True)),
                # rows of protocol-like lengths (100-2,048 keys): what the decode graphs of the protocol meet
                ("attention_decode_mixed", lambda: bench_attn_decode((64, 128, 256), ctxs=("mixed",))),
+               # the length rule's target (FDLITE_DECODE_SPLIT_KEYS; 0 = every row the shapes' split count)
+               ("attention_decode_split_keys", lambda: bench_attn_decode((1, 64, 128, 256), ctxs=(512, 2048, "mixed"),
+                                                                         split_keys=(0, 256, 512, 1024))),
                # GQA groups of 2, 4 and 8 query heads per KV head (Qwen3-0.6B, Llama-3.1-8B, Qwen3-30B-A3B layers):
                # the CUDA-core per-token kernel's work per KV byte grows with the group; the tensor-core one
                # (the default) beside it
@@ -1765,7 +1776,8 @@ if not ARGS.no_bench:
                ("moe_decode", lambda: ops_harness_moe.bench_decode(sys.modules[__name__])),
                ("moe_prefill", lambda: ops_harness_moe.bench_prefill(sys.modules[__name__])))
     for name, fn in benches:
-        if (ARGS.only and name not in ARGS.only.split(",")) or (not ARGS.only and name == "attention_decode_splits"):
+        if (ARGS.only and name not in ARGS.only.split(",")) or (
+                not ARGS.only and name in ("attention_decode_splits", "attention_decode_split_keys")):
             continue
         try:
             B_[name] = fn()

@@ -71,6 +71,9 @@ struct Args {
   int64_t T;
   int B, max_blocks, h, kvh, g, bs;
   int splits;  // the per-token grid's z (compact: split_cap, for the workspace's size test)
+  // Decode-only steps (not compact): a row of limit keys takes min(splits, max(splits_min, ceil(limit / split_keys)))
+  // splits, so long rows are cut finer than short ones and do not form the step's tail; split_keys 0: `splits` each
+  int split_keys, splits_min;
   int qpr;     // token slots per row in the per-token kernels' grid (1..kDecodeMaxQ)
   int dslots;  // blocks along x of that grid: B qpr (compact: B + room for splits), at least 1
   int qmax;    // rows with q_len <= qmax are the per-token kernels' (kDecodeMaxQ; compact: 1), others the tiles'
@@ -176,8 +179,9 @@ __device__ __forceinline__ void split_keys(int limit, int s, int n, int& k0, int
 }
 
 // What block x of the per-token kernels' grid does in split s: token t, the (x % qpr)-th of row r = x / qpr when r is
-// a decode row (q_len <= kDecodeMaxQ) that has such a token, its causal range cut into `splits` runs of whole chunks.
-// False: no such token (a slot past the row's tokens, or a prefill row's slot: the tile kernel owns its tokens).
+// a decode row (q_len <= kDecodeMaxQ) that has such a token, its causal range cut into runs of whole chunks, `splits`
+// of them or, with split_keys, as many as its length asks (Args::split_keys). False: no such token (a slot past the
+// row's tokens, or a prefill row's slot: the tile kernel owns its tokens), or no split s for it.
 __device__ __forceinline__ bool decode_split(const Args& a, int x, int s, DecodeItem& w) {
   w.r = x / a.qpr;
   const int i = x - w.r * a.qpr;
@@ -186,9 +190,13 @@ __device__ __forceinline__ bool decode_split(const Args& a, int x, int s, Decode
   if (q_len > kDecodeMaxQ || i >= q_len) return false;
   w.t = q0 + i;
   const int kv_len = a.seq_lens[w.r];
-  split_keys(max(0, min(kv_len, kv_len - q_len + i + 1)), s, a.splits, w.k0, w.k1);
+  const int limit = max(0, min(kv_len, kv_len - q_len + i + 1));
+  int n = a.splits;
+  if (a.split_keys > 0) n = min(n, max(a.splits_min, (limit + a.split_keys - 1) / a.split_keys));
+  if (s >= n) return false;
+  split_keys(limit, s, n, w.k0, w.k1);
   w.s = s;
-  w.n = a.splits;
+  w.n = n;
   w.p0 = partial_row(a, w.t);
   w.pstep = a.prows;
   return true;
@@ -710,6 +718,9 @@ namespace {
 // allocates), kept zero by the kernel itself (each (token, KV head)'s last block resets its entry); two more
 // after them for the wgmma tile kernel's work queue (next item, finished blocks; its last block resets them).
 constexpr int64_t kMaxCounters = 1 << 16;
+// The most KV splits the length rule gives a decode row (Args::split_keys): the grid's z; blocks past a row's count
+// exit at once (each costs a slot for about a microsecond).
+constexpr int64_t kMaxRowSplits = 4;
 
 int* split_counters(cudaStream_t s) {
   static std::mutex mu;
@@ -904,7 +915,7 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   // rows are padded to max_num_seqs, so a grid sized by B would take the few real decode rows for B of them and give
   // them one split each (Qwen3-30B-A3B's prefill-heavy steps: 75 us a layer for 10 decode rows of 1-2k tokens).
   const bool compact = tiles;
-  int qpr = 1, splits = 1, split_cap = 1;
+  int qpr = 1, splits = 1, split_cap = 1, split_min = 1, split_len = 0;
   int64_t dslots, prows;
   if (compact) {
     split_cap = num_splits > 0 ? std::min(num_splits, 64) : (int)std::min<int64_t>(32, by_ctx);
@@ -946,6 +957,12 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
         }
       });
       splits = choose_splits(split_rows * kvh, by_ctx, (int64_t)per_sm * num_sms());
+      // rows longer than split_keys keys take more splits, up to kMaxRowSplits: the grid's z room for them
+      split_min = splits;
+      split_len = options().decode_split_keys;
+      if (split_len > 0) {
+        splits = (int)std::max<int64_t>(splits, std::min<int64_t>({kMaxRowSplits, ceil_div(kv_bound, split_len), by_ctx}));
+      }
     }
     splits = std::max(1, std::min(splits, 64));
     if (splits > 1 && split_rows * kvh > kMaxCounters) splits = 1;  // split_rows >= prows: the counters' rows
@@ -970,6 +987,8 @@ std::vector<paddle::Tensor> attention_impl(const char* op, const paddle::Tensor&
   a.g = g;
   a.bs = bs;
   a.splits = splits;
+  a.split_keys = split_len;
+  a.splits_min = std::min(split_min, splits);
   a.qpr = qpr;
   a.dslots = (int)dslots;
   a.prows = (int)prows;

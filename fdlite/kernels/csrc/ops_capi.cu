@@ -11,19 +11,22 @@
 
 #define FDL_API extern "C" __attribute__((visibility("default")))
 
-FDL_API int fdl_ops_abi_version(void) { return 14; }
+FDL_API int fdl_ops_abi_version(void) { return 15; }
 
 // The switches of fdlite/envs.py the kernels follow (the C++ side reads no environment): pdl = FDLITE_PDL
 // (0, 1 or 2: see fdl::Options), gemv = FDLITE_GEMV, attn_mma = FDLITE_ATTN_MMA (0, 1 or 2), decode_mma =
-// FDLITE_DECODE_MMA. Called by fdlite/kernels/gpu.py when it loads the library, before any op runs (and by
-// `gpu.set_options`: launches after the call follow it, graphs keep what they captured). Returns 0, or 1 for a pdl
-// or attn_mma outside 0..2 (nothing changed).
-FDL_API int fdl_set_options(int pdl, int gemv, int attn_mma, int decode_mma) {
+// FDLITE_DECODE_MMA, decode_split_keys = FDLITE_DECODE_SPLIT_KEYS. Called by fdlite/kernels/gpu.py when it loads the library,
+// before any op runs (and by `gpu.set_options`: launches after the call follow it, graphs keep what they captured).
+// Returns 0, 1 for a pdl or attn_mma outside 0..2, 2 for a decode_split_keys that is not a multiple of 64 in [0, 4096]
+// (nothing changed).
+FDL_API int fdl_set_options(int pdl, int gemv, int attn_mma, int decode_mma, int decode_split_keys) {
   if (pdl < 0 || pdl > 2 || attn_mma < 0 || attn_mma > 2) return 1;
+  if (decode_split_keys < 0 || decode_split_keys > 4096 || decode_split_keys % 64 != 0) return 2;
   fdl::options().pdl = pdl;
   fdl::options().gemv = gemv != 0;
   fdl::options().attn_mma = attn_mma;
   fdl::options().decode_mma = decode_mma != 0;
+  fdl::options().decode_split_keys = decode_split_keys;
   return 0;
 }
 

@@ -19,6 +19,10 @@ struct Options {
   // FDLITE_DECODE_MMA: false sends bf16 / fp16 decode attention to the CUDA-core per-token kernel instead of the
   // mma.sync one (ops_attention.cu, decode_on_mma; for side-by-side measurements).
   bool decode_mma = true;
+  // FDLITE_DECODE_SPLIT_KEYS: in decode-only steps a row of more keys than this gets ceil(keys / this) KV splits, up
+  // to kMaxRowSplits (ops_attention.cu, decode_split); 0 = the shape rule's count for every row. 0 or a multiple of
+  // 64 up to 4096.
+  int decode_split_keys = 512;
 };
 
 inline Options& options() {
