@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Device: build and run the standalone row-dot GEMV / PDL probe (gemv_pdl_bench.cu); no Paddle needed.
-# Usage (from the project root, on the GPU machine): OUT=dir bash tools/gpu/run_gemv_probe.sh
+# Device: build and run a standalone cuBLASLt / kernel probe; no Paddle needed. PROBE names it: gemv_pdl_bench (the
+# default: the row-dot GEMV and PDL probe) or lt_algo_probe (cuBLASLt's first heuristic vs its fastest candidate).
+# Usage (from the project root, on the GPU machine): OUT=dir [PROBE=lt_algo_probe] bash tools/gpu/run_gemv_probe.sh
 set -u
+PROBE=${PROBE:-gemv_pdl_bench}
 OUT=${OUT:-${TMPDIR:-/tmp}/gemv_probe_out}
-BIN=$(mktemp -d)/gemv_probe
+BIN=$(mktemp -d)/$PROBE
 mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
 flags=()
@@ -15,9 +17,10 @@ for p in site.getsitepackages():
         print(c)
 PY
 ); do flags+=("-I$d/include" "-L$d/lib" "-Xlinker" "-rpath=$d/lib"); done
-nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 "$here/gemv_pdl_bench.cu" "${flags[@]}" -lcublasLt \
+nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 "$here/$PROBE.cu" "${flags[@]}" -lcublasLt \
   -o "$BIN" 2>&1 | tail -5
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
-"$BIN" | tee "$OUT/gemv_probe.jsonl"
+"$BIN" | tee "$OUT/$PROBE.jsonl"
+[ "$PROBE" = gemv_pdl_bench ] || exit 0
 cuobjdump --dump-sass "$BIN" 2>/dev/null | awk '/Function : .*rowdotILi1ELi12ELi1ELb0/{p=1} /Function : .*rowdotILi1ELi12ELi1ELb1/{p=2} /Function/ && !/rowdotILi1ELi12ELi1/{p=0} p' \
   | grep -nE "Function|LDG|LDGSTS|DEPBAR|ACQ|griddep|PREEXIT|BAR|FFMA" | head -80 > "$OUT/sass_order.txt"
