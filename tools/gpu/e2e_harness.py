@@ -1047,7 +1047,7 @@ def section_throughput():
         kv_per_token = 2 * cfg.num_hidden_layers * runner.tp.num_kv_heads * cfg.head_dim * 2
         rng = np.random.default_rng(0)
         out = {}
-        for b in (1, 16, 64, 256):
+        for b in (1, 8, 16, 64, 256):
             flat, sb = decode_flat(b, ctx, bs, llm.num_blocks, rng)
             row = {}
             for graphs in (False, True):

@@ -4,7 +4,8 @@
 // For each model (Qwen3-0.6B: 28 layers; Llama-3.1-8B: 32), projection (qkv, o_proj, gate_up, down; weights [N, K],
 // fdlite's layout, run as cuBLASLt TN) and M (the decode batch): the layers' projections as one CUDA graph (distinct
 // weights per layer, so nothing is served from L2), median of 10 replays, for every algorithm of the heuristic's top
-// 32; prints the first's time, the fastest's, and the fastest's configuration (tile, split-K, stages, cluster ids);
+// 32 and the first four of them with their K split forced to 2-8 (index >= heuristic_candidates); prints the first's
+// time, the fastest's, and the fastest's configuration (tile, split-K, reduction, stages, cluster ids);
 // the weight-read roofline at 3.0 TB/s beside them.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 lt_algo_probe.cu -lcublasLt -o b
 #include <cublasLt.h>
@@ -134,11 +135,31 @@ int main() {
         LK(cublasLtMatmulPreferenceCreate(&pref));
         size_t wsb = kWs;
         LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
-        cublasLtMatmulHeuristicResult_t res[kCandidates];
+        cublasLtMatmulHeuristicResult_t res[kCandidates + 24];
         int n = 0;
         LK(cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, kCandidates, res, &n));
         float first = -1, best = 1e30f;
         int best_i = -1;
+        // Beside the heuristic's own candidates: each of the first four with its K split forced to 2..8 (the
+        // heuristic seldom splits K, and a small N leaves most SMs idle), the reduction in the workspace.
+        const int n_heur = n;
+        for (int i = 0; i < std::min(n_heur, 4); ++i)
+          for (uint32_t sk : {2u, 3u, 4u, 6u, 8u}) {
+            if (n >= kCandidates + 24) break;
+            cublasLtMatmulHeuristicResult_t r = res[i];
+            uint32_t red = CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+            if (cublasLtMatmulAlgoConfigSetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &sk, sizeof(sk)) !=
+                    CUBLAS_STATUS_SUCCESS ||
+                cublasLtMatmulAlgoConfigSetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &red,
+                                                     sizeof(red)) != CUBLAS_STATUS_SUCCESS)
+              continue;
+            cublasLtMatmulHeuristicResult_t chk{};
+            if (cublasLtMatmulAlgoCheck(h, op, la, lb, ld, ld, &r.algo, &chk) != CUBLAS_STATUS_SUCCESS ||
+                chk.workspaceSize > kWs)
+              continue;
+            r.state = CUBLAS_STATUS_SUCCESS;
+            res[n++] = r;
+          }
         for (int i = 0; i < n; ++i) {
           if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
           const float al = 1.f, be = 0.f;
@@ -160,9 +181,9 @@ int main() {
         sum_first += first, sum_best += best, sum_roof += roof;
         const cublasLtMatmulAlgo_t& b = res[best_i].algo;
         printf("{\"model\":\"%s\",\"shape\":\"%s\",\"M\":%d,\"K\":%d,\"N\":%d,\"candidates\":%d,\"first_us\":%.2f,"
-               "\"best_us\":%.2f,\"best_index\":%d,\"roofline_us\":%.2f,\"best_algo_id\":%d,\"tile\":%d,\"splitk\":%d,"
+               "\"best_us\":%.2f,\"best_index\":%d,\"heuristic_candidates\":%d,\"roofline_us\":%.2f,\"best_algo_id\":%d,\"tile\":%d,\"splitk\":%d,"
                "\"reduction\":%d,\"stages\":%d,\"cluster\":%d,\"first_tile\":%d,\"first_splitk\":%d}\n",
-               md.name, sh.name, M, sh.K, sh.N, n, first, best, best_i, roof, cfg(b, CUBLASLT_ALGO_CONFIG_ID),
+               md.name, sh.name, M, sh.K, sh.N, n, first, best, best_i, n_heur, roof, cfg(b, CUBLASLT_ALGO_CONFIG_ID),
                cfg(b, CUBLASLT_ALGO_CONFIG_TILE_ID), cfg(b, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
                cfg(b, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME), cfg(b, CUBLASLT_ALGO_CONFIG_STAGES_ID),
                cfg(b, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), cfg(res[0].algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
