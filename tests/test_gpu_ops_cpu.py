@@ -183,6 +183,19 @@ def test_build_flags_name_each_arch_and_the_cache_key_follows_sources(monkeypatc
                            paddle_include="", paddle_lib=None, paddle_version="x").archs == ["90a"]
 
 
+def test_cache_key_hashes_every_header_the_gpu_sources_include():
+    """A header edit must change the build cache's key: GPU_OPS_HEADERS is the closure of the sources' includes."""
+    from fdlite.kernels import native
+
+    seen, todo = set(), list(native.GPU_OPS_SOURCES)
+    while todo:
+        for inc in re.findall(r'#include\s+"([^"]+)"', (CSRC / todo.pop()).read_text()):
+            if inc not in seen and (CSRC / inc).exists():
+                seen.add(inc)
+                todo.append(inc)
+    assert sorted(native.GPU_OPS_HEADERS) == sorted(seen)
+
+
 def test_so_name_prefers_plain_then_shortest_versioned(tmp_path):
     (tmp_path / "libcublasLt.so.13").write_text("")
     (tmp_path / "libcublasLt.so.13.1.0").write_text("")
@@ -229,7 +242,9 @@ def test_gpu_ops_compile_for_sm90_against_paddle_headers():
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "compile_check.sh")], capture_output=True, text=True,
                        timeout=1800)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "compiled 7 sources for sm_90" in r.stdout
+    from fdlite.kernels import native
+
+    assert f"compiled {len(native.GPU_OPS_SOURCES)} sources for sm_90" in r.stdout
 
 
 # --- wrappers refuse what the kernels cannot take, before any library is loaded ----------------

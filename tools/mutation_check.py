@@ -872,6 +872,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_fp8_kv_cache.py::test_fp8_cache_steps_run_the_cpp_attention_op",),
         "new",
     ),
+    Mutation(
+        "gpu-cache-key-misses-a-header",
+        "The GPU ops' build cache key leaves out a header the sources include (an edit to it keeps a stale library)",
+        (Edit("fdlite/kernels/native.py", ' "attention_decode_mma.cuh",', ""),),
+        ("tests/test_gpu_ops_cpu.py::test_cache_key_hashes_every_header_the_gpu_sources_include",),
+        "new",
+    ),
 )
 
 

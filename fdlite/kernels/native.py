@@ -54,8 +54,10 @@ LIB_DIR = KERNELS / "lib"  # where tools/gpu/build_ops.sh puts its libraries
 # The GPU ops (build.py; setup_ops.py).
 GPU_OPS_SOURCES = ["ops_basic.cu", "ops_norm.cu", "ops_linear.cu", "ops_rope_cache.cu", "ops_attention.cu",
                    "ops_sampling.cu", "ops_logits.cu", "ops_logprobs.cu", "ops_moe_route.cu", "ops_moe.cu", "ops_capi.cu"]
-GPU_OPS_HEADERS = ["ops_common.cuh", "ops_options.h", "mma_sync.cuh", "attention_mma.cuh", "moe_align.cuh",
-                   "moe_gemm.cuh", "moe_gemm_mma.cuh", "moe_gemm_fma.cuh"]
+# Every header the sources include, directly or not: the build cache's key hashes them (a test checks the list).
+GPU_OPS_HEADERS = ["ops_common.cuh", "ops_options.h", "mma_sync.cuh", "wgmma.cuh", "attention_mma.cuh",
+                   "attention_decode_mma.cuh", "attention_wgmma.cuh", "moe_align.cuh", "moe_gemm.cuh",
+                   "moe_gemm_mma.cuh", "moe_gemm_fma.cuh", "moe_gemm_wgmma.cuh"]
 GPU_OPS_LIB = "libfdlite_gpu_ops.so"
 GPU_OPS_LIB_ENV = "FDLITE_GPU_OPS_LIB"
 GPU_OPS_CACHE_ENV = "FDLITE_OPS_CACHE"
