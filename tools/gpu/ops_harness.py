@@ -910,6 +910,11 @@ for sk in (64, 0):  # the length rule cutting long rows finer (64 keys: up to 4 
           with_options(t_attn(long_decodes, max_q_len=1), decode_split_keys=sk, decode_mma=False))
 check("paged_attention compact grid, forced splits=7: long decode rows + prefill + empty rows",
       t_attn(long_decodes + [(300, 500)] + [(0, 0)] * 9, h=32, kvh=4, splits=7))
+# The tensor-core decode kernel forms a chunk's rows from one block-table entry when the block size is a multiple of
+# the 32-key chunk (ChunkBlock), from one per key otherwise (ChunkRows): both, at block edges, splits and row ends
+for bs_ in (16, 32, 48, 64, 128):
+    check(f"paged_attention decode-only step, block size {bs_}: rows across block edges, split and not (max_q_len=1)",
+          t_attn(long_decodes + [(1, 31), (1, 33), (1, 95), (1, 129)], bs=bs_, max_q_len=1))
 check("paged_attention bs16 d64 14/2 heads (g=7) mixed bf16", t_attn(mixed_rows, h=14, kvh=2, d=64, bs=16))
 check("paged_attention d256 8/1 heads (g=8) mixed fp32", t_attn(mixed_rows[:5], h=8, kvh=1, d=256, bs=32, dt="float32"))
 check("paged_attention MHA (g=1) d128 decode+prefill fp16", t_attn([(1, 90), (20, 80)], h=4, kvh=4, dt="float16"))

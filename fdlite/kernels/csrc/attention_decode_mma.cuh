@@ -33,7 +33,8 @@ struct DecodeMma {
   static constexpr size_t bytes = ML_OFF + NW * 16 * sizeof(float2);
 };
 
-template <typename T, int D>
+// CB: the cache's block size is a multiple of KC, so each chunk's rows come from one block-table entry (ChunkBlock).
+template <typename T, int D, bool CB>
 __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
   pdl_trigger();
   pdl_wait();
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
   const T* kc = static_cast<const T*>(a.kc);
   const T* vc = static_cast<const T*>(a.vc);
   const int nchunks = k1 > k0 ? (k1 - k0 + KC - 1) / KC : 0;
-  ChunkRows<T, D> rows;
+  typename std::conditional<CB, ChunkBlock<T, D>, ChunkRows<T, D>>::type rows;
   if (nchunks > 0) {
     rows.compute(btab, a.kvh, j, a.bs, k0, k1);
     rows.issue(kbuf, vbuf, kc, vc);
