@@ -912,9 +912,12 @@ check("paged_attention compact grid, forced splits=7: long decode rows + prefill
       t_attn(long_decodes + [(300, 500)] + [(0, 0)] * 9, h=32, kvh=4, splits=7))
 # The tensor-core decode kernel forms a chunk's rows from one block-table entry when the block size is a multiple of
 # the 32-key chunk (ChunkBlock), from one per key otherwise (ChunkRows): both, at block edges, splits and row ends
+edge_decodes = long_decodes + [(1, 31), (1, 33), (1, 95), (1, 129)]
 for bs_ in (16, 32, 48, 64, 128):
     check(f"paged_attention decode-only step, block size {bs_}: rows across block edges, split and not (max_q_len=1)",
-          t_attn(long_decodes + [(1, 31), (1, 33), (1, 95), (1, 129)], bs=bs_, max_q_len=1))
+          t_attn(edge_decodes, bs=bs_, max_q_len=1))
+    check(f"paged_attention decode-only step, block size {bs_}, CUDA-core kernel",
+          with_options(t_attn(edge_decodes, bs=bs_, max_q_len=1), decode_mma=False))
 check("paged_attention bs16 d64 14/2 heads (g=7) mixed bf16", t_attn(mixed_rows, h=14, kvh=2, d=64, bs=16))
 check("paged_attention d256 8/1 heads (g=8) mixed fp32", t_attn(mixed_rows[:5], h=8, kvh=1, d=256, bs=32, dt="float32"))
 check("paged_attention MHA (g=1) d128 decode+prefill fp16", t_attn([(1, 90), (20, 80)], h=4, kvh=4, dt="float16"))
@@ -979,6 +982,9 @@ for dt in ("bfloat16", "float16"):
     check(f"paged_attention_fp8 tensor-core tiles {dt} d64 bs16 12/4 heads", t_attn_fp8(mma_rows, h=12, kvh=4, d=64, bs=16, dt=dt))
     check(f"paged_attention_fp8 tensor-core tiles {dt} d128 bs64 32/4 heads", t_attn_fp8(mma_rows, h=32, kvh=4, dt=dt))
 check("paged_attention_fp8 decode splits=5 bf16", t_attn_fp8(decode_rows, splits=5))
+for bs_ in (16, 48, 64):  # a chunk's rows from one block-table entry (64) or one per key (16, 48)
+    check(f"paged_attention_fp8 decode-only step, block size {bs_}: rows across block edges, split and not",
+          t_attn_fp8(edge_decodes, bs=bs_, max_q_len=1))
 check("paged_attention_fp8 mixed splits=3 max_q_len=64 bf16", t_attn_fp8(mixed_rows, splits=3, max_q_len=64))
 check("paged_attention_fp8 compact grid: long decode rows split + prefill + empty rows, 32/4 heads",
       t_attn_fp8(long_decodes + [(300, 500)] + [(0, 0)] * 20, h=32, kvh=4))

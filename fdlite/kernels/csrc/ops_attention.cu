@@ -179,6 +179,16 @@ struct ChunkBlock {
     stride = kvh * bs;
   }
 
+  // FP8 caches: the chunk's K and V scales into ks_s / vs_s [KC] (zeros past the end); committed with `issue`.
+  __device__ __forceinline__ void issue_scales(float* ks_s, float* vs_s, const float* ksc, const float* vsc) const {
+    if (threadIdx.x < KC) {
+      const bool valid = (int)threadIdx.x < nk;
+      const int64_t row = (int64_t)blk * stride + pre + threadIdx.x;
+      cp_async4(ks_s + threadIdx.x, valid ? ksc + row : ksc, valid);
+      cp_async4(vs_s + threadIdx.x, valid ? vsc + row : vsc, valid);
+    }
+  }
+
   // Keys [k0, k0 + KC) into smem K / V buffers; rows past the end are zero-filled (read nothing).
   __device__ __forceinline__ void issue(T* ks, T* vs, const T* kc, const T* vc) const {
     using L = Layout<T, D>;
@@ -412,7 +422,8 @@ size_t decode_smem(int g) {
 
 // 6 blocks per SM (80 registers) at head_dim <= 128: what shared memory allows for bf16 / fp16 there, and what the
 // split rule measured (choose_splits); left to itself ptxas took 96 registers here and lost a sixth of the slots.
-template <typename T, typename C, int D>
+// CB: the cache's block size is a multiple of KC, so each chunk's rows come from one block-table entry (ChunkBlock).
+template <typename T, typename C, int D, bool CB>
 __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args a) {
   pdl_trigger();
   pdl_wait();
@@ -444,7 +455,7 @@ __global__ void __launch_bounds__(NT, D <= 128 ? 6 : 1) attn_decode_kernel(Args 
   const C* kc = static_cast<const C*>(a.kc);
   const C* vc = static_cast<const C*>(a.vc);
   const int nchunks = k1 > k0 ? (k1 - k0 + KC - 1) / KC : 0;
-  ChunkRows<C, D> rows;  // addresses of the next chunk to issue
+  typename std::conditional<CB, ChunkBlock<C, D>, ChunkRows<C, D>>::type rows;  // addresses of the next chunk to issue
   if (nchunks > 0) {
     rows.compute(btab, a.kvh, j, a.bs, k0, k1);
     if constexpr (F8) rows.issue_scales(sc_s, sc_s + KC, a.ksc, a.vsc);
@@ -806,8 +817,8 @@ int decode_blocks_per_sm(int g) {
       }
     }
     if (!on_mma) {
-      allow_smem<attn_decode_kernel<T, C, D>>(decode_smem<C, D>(MAXG));
-      FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, C, D>, NT, decode_smem<C, D>(g)),
+      allow_smem<attn_decode_kernel<T, C, D, true>>(decode_smem<C, D>(MAXG));
+      FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, C, D, true>, NT, decode_smem<C, D>(g)),
                      "fdl_paged_attention: occupancy query");
     }
     v = std::max(1, n);
@@ -863,8 +874,10 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
     }
   }
   if (!decode_done) {
-    allow_smem<attn_decode_kernel<T, C, D>>(decode_smem<C, D>(MAXG));
-    launch("attn_decode_kernel", attn_decode_kernel<T, C, D>, dim3((unsigned)a.dslots, a.kvh, zsplits), NT, dsm, s,
+    auto kernel = a.bs % KC == 0 ? attn_decode_kernel<T, C, D, true> : attn_decode_kernel<T, C, D, false>;
+    allow_smem<attn_decode_kernel<T, C, D, true>>(decode_smem<C, D>(MAXG));
+    allow_smem<attn_decode_kernel<T, C, D, false>>(decode_smem<C, D>(MAXG));
+    launch("attn_decode_kernel", kernel, dim3((unsigned)a.dslots, a.kvh, zsplits), NT, dsm, s,
            pdl_rows(a.T), a);
   }
   if (!tiles) return;
