@@ -8,33 +8,7 @@
 // time, the fastest's, and the fastest's configuration (tile, split-K, reduction, stages, cluster ids);
 // the weight-read roofline at 3.0 TB/s beside them.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 lt_algo_probe.cu -lcublasLt -o b
-#include <cublasLt.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e = (x);                                                                        \
-    if (e != cudaSuccess) {                                                                     \
-      printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e), __FILE__, __LINE__, #x); \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
-#define LK(x)                                                                     \
-  do {                                                                            \
-    cublasStatus_t st_ = (x);                                                     \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                          \
-      printf("cuBLAS error %d at %s:%d: %s\n", (int)st_, __FILE__, __LINE__, #x); \
-      exit(1);                                                                    \
-    }                                                                             \
-  } while (0)
-
-using bf16 = __nv_bfloat16;
+#include "probe_util.cuh"
 
 struct Shape {
   const char* name;
@@ -52,44 +26,7 @@ const Model kModels[2] = {
 constexpr size_t kWs = 32u << 20;
 constexpr int kCandidates = 32;
 
-__global__ void fill_rand(bf16* p, size_t n, unsigned seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned v = (unsigned)(i * 2654435761u) ^ seed;
-    v ^= v >> 13;
-    v *= 0x5bd1e995u;
-    v ^= v >> 15;
-    p[i] = __float2bfloat16_rn(((v & 0xffff) / 65536.f - 0.5f) * 0.1f);
-  }
-}
 
-template <typename F>
-float graph_us(cudaStream_t s, F body, int reps = 10) {
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  body();
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int i = 0; i < reps + 2; ++i) {
-    CK(cudaEventRecord(a, s));
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    if (i >= 2) t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  return t[t.size() / 2] * 1e3f;
-}
 
 int cfg(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
   uint32_t v = 0;
@@ -169,10 +106,10 @@ int main() {
                  CUBLAS_STATUS_SUCCESS;
           if (!ok) continue;
           CK(cudaStreamSynchronize(s));
-          const float us = graph_us(s, [&] {
+          const float us = 1e3f * graph_ms(s, [&] {
             for (int l = 0; l < md.layers; ++l)
               cublasLtMatmul(h, op, &al, w[l * 4 + j], la, x, lb, &be, y, ld, y, ld, &res[i].algo, ws, kWs, s);
-          }) / md.layers;
+          }, 10, 2) / md.layers;
           if (i == 0) first = us;
           if (us < best) best = us, best_i = i;
         }
