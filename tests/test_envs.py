@@ -277,3 +277,8 @@ def test_attn_kernel_switch_is_zero_one_or_two(monkeypatch):
         envs.FDLITE_ATTN_MMA  # noqa: B018
     monkeypatch.undo()
     envs.refresh()
+
+
+def test_readme_table_is_the_variables_table():
+    """README's table of environment variables is `envs.describe()`, so a new variable cannot go undocumented."""
+    assert envs.describe() in (ROOT / "README.md").read_text()
