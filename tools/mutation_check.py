@@ -879,6 +879,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_gpu_ops_cpu.py::test_cache_key_hashes_every_header_the_gpu_sources_include",),
         "new",
     ),
+    Mutation(
+        "readme-misses-a-variable",
+        "A new environment variable is left out of README's table",
+        (Edit("README.md", "| `FDLITE_DECODE_SPLIT_KEYS` |", "| `FDLITE_DECODE_SPLIT_KEYZ` |"),),
+        ("tests/test_envs.py::test_readme_table_is_the_variables_table",),
+        "new",
+    ),
 )
 
 
