@@ -184,16 +184,15 @@ def test_build_flags_name_each_arch_and_the_cache_key_follows_sources(monkeypatc
 
 
 def test_cache_key_hashes_every_header_the_gpu_sources_include():
-    """A header edit must change the build cache's key: GPU_OPS_HEADERS is the closure of the sources' includes."""
-    from fdlite.kernels import native
-
-    seen, todo = set(), list(native.GPU_OPS_SOURCES)
+    """A header edit must change the build cache's key (build.cache_key hashes SOURCES + HEADERS): HEADERS is the
+    closure of the sources' includes."""
+    seen, todo = set(), list(build.SOURCES)
     while todo:
         for inc in re.findall(r'#include\s+"([^"]+)"', (CSRC / todo.pop()).read_text()):
             if inc not in seen and (CSRC / inc).exists():
                 seen.add(inc)
                 todo.append(inc)
-    assert sorted(native.GPU_OPS_HEADERS) == sorted(seen)
+    assert sorted(build.HEADERS) == sorted(seen)
 
 
 def test_so_name_prefers_plain_then_shortest_versioned(tmp_path):
@@ -242,9 +241,7 @@ def test_gpu_ops_compile_for_sm90_against_paddle_headers():
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "compile_check.sh")], capture_output=True, text=True,
                        timeout=1800)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    from fdlite.kernels import native
-
-    assert f"compiled {len(native.GPU_OPS_SOURCES)} sources for sm_90" in r.stdout
+    assert f"compiled {len(build.SOURCES)} sources for sm_90" in r.stdout
 
 
 # --- wrappers refuse what the kernels cannot take, before any library is loaded ----------------
