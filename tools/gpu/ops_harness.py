@@ -846,11 +846,11 @@ def with_options(f, **options):
 
 
 # The decode kernels on more shapes: the tensor-core one (attention_decode_mma.cuh, the default for bf16 / fp16 at
-# head_dim 64 / 128; GQA groups 1-16, splits automatic and forced, block sizes 16 / 64), and the CUDA-core one it
-# replaced (FDLITE_DECODE_MMA=0), which fp32, head_dim 256 and FP8 caches keep
+# head_dim 64 / 128; GQA groups 1-16, splits automatic and forced, block sizes 16 / 64 / 12), and the CUDA-core one it
+# replaced (FDLITE_DECODE_MMA=0), which fp32 and head_dim 256 keep
 for dt in ("bfloat16", "float16"):
     for h, kvh, d, bs in ((16, 8, 128, 64), (32, 8, 128, 64), (32, 4, 128, 16), (14, 2, 64, 16), (16, 1, 128, 64),
-                          (4, 4, 64, 64)):
+                          (4, 4, 64, 64), (16, 8, 128, 12)):
         for s in (0, 3):
             check(f"paged_attention tensor-core decode {dt} {h}/{kvh} heads d{d} bs{bs} splits={s or 'auto'}",
                   t_attn(decode_rows + [(1, 0)], h=h, kvh=kvh, d=d, bs=bs, dt=dt, splits=s))
@@ -910,10 +910,11 @@ for sk in (64, 0):  # the length rule cutting long rows finer (64 keys: up to 4 
           with_options(t_attn(long_decodes, max_q_len=1), decode_split_keys=sk, decode_mma=False))
 check("paged_attention compact grid, forced splits=7: long decode rows + prefill + empty rows",
       t_attn(long_decodes + [(300, 500)] + [(0, 0)] * 9, h=32, kvh=4, splits=7))
-# The tensor-core decode kernel forms a chunk's rows from one block-table entry when the block size is a multiple of
-# the 32-key chunk (ChunkBlock), from one per key otherwise (ChunkRows): both, at block edges, splits and row ends
+# The tensor-core decode kernel forms a warp's 8 rows of a chunk from one block-table entry when the block size is a
+# multiple of 8, from one per key otherwise (12); the CUDA-core one a chunk's 32 rows from one entry when it is a
+# multiple of 32 (ChunkBlock), from one per key otherwise (ChunkRows): all, at block edges, splits and row ends
 edge_decodes = long_decodes + [(1, 31), (1, 33), (1, 95), (1, 129)]
-for bs_ in (16, 32, 48, 64, 128):
+for bs_ in (12, 16, 32, 48, 64, 128):
     check(f"paged_attention decode-only step, block size {bs_}: rows across block edges, split and not (max_q_len=1)",
           t_attn(edge_decodes, bs=bs_, max_q_len=1))
     check(f"paged_attention decode-only step, block size {bs_}, CUDA-core kernel",
@@ -982,9 +983,25 @@ for dt in ("bfloat16", "float16"):
     check(f"paged_attention_fp8 tensor-core tiles {dt} d64 bs16 12/4 heads", t_attn_fp8(mma_rows, h=12, kvh=4, d=64, bs=16, dt=dt))
     check(f"paged_attention_fp8 tensor-core tiles {dt} d128 bs64 32/4 heads", t_attn_fp8(mma_rows, h=32, kvh=4, dt=dt))
 check("paged_attention_fp8 decode splits=5 bf16", t_attn_fp8(decode_rows, splits=5))
-for bs_ in (16, 48, 64):  # a chunk's rows from one block-table entry (64) or one per key (16, 48)
+for bs_ in (12, 16, 48, 64):  # a warp's 8 keys from one block-table entry (16, 48, 64) or one per key (12)
     check(f"paged_attention_fp8 decode-only step, block size {bs_}: rows across block edges, split and not",
           t_attn_fp8(edge_decodes, bs=bs_, max_q_len=1))
+# The tensor-core decode kernel over FP8 caches (e4m3 widened into fragment registers, fp16 MMAs): GQA groups 1-16,
+# head_dim 64 / 128, block sizes 64, 16 and 12 (not a multiple of 8: a warp's 8 keys of a chunk from several blocks),
+# splits automatic and forced; the CUDA-core kernel (FDLITE_DECODE_MMA=0) beside it
+for dt in ("bfloat16", "float16"):
+    for h, kvh, d, bs in ((16, 8, 128, 64), (32, 8, 128, 64), (32, 4, 128, 16), (14, 2, 64, 16), (16, 1, 128, 64),
+                          (4, 4, 64, 64), (16, 8, 128, 12)):
+        for s in (0, 3):
+            check(f"paged_attention_fp8 tensor-core decode {dt} {h}/{kvh} heads d{d} bs{bs} splits={s or 'auto'}",
+                  t_attn_fp8(decode_rows + [(1, 0)], h=h, kvh=kvh, d=d, bs=bs, dt=dt, splits=s))
+    for h, kvh in ((16, 8), (32, 4)):
+        check(f"paged_attention_fp8 CUDA-core decode {dt} {h}/{kvh} heads splits=auto / 3",
+              with_options(lambda h=h, kvh=kvh, dt=dt: min(
+                  (t_attn_fp8(decode_rows, h=h, kvh=kvh, dt=dt, splits=s)() for s in (0, 3)),
+                  key=lambda res: res[0]), decode_mma=False))
+check("paged_attention_fp8 decode-only step, block size 12, CUDA-core kernel",
+      with_options(t_attn_fp8(edge_decodes, bs=12, max_q_len=1), decode_mma=False))
 check("paged_attention_fp8 mixed splits=3 max_q_len=64 bf16", t_attn_fp8(mixed_rows, splits=3, max_q_len=64))
 check("paged_attention_fp8 compact grid: long decode rows split + prefill + empty rows, 32/4 heads",
       t_attn_fp8(long_decodes + [(300, 500)] + [(0, 0)] * 20, h=32, kvh=4))

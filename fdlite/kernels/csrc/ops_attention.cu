@@ -790,14 +790,34 @@ int* split_counters(cudaStream_t s) {
 }
 
 // Whether the tensor-core per-token kernel (attention_decode_mma.cuh) exists for these types: bf16 / fp16 at
-// head_dim 64 / 128 over model-dtype caches; it takes the decode tokens unless FDLITE_DECODE_MMA=0 (the CUDA-core
-// kernel, for side-by-side runs).
+// head_dim 64 / 128 over model-dtype or FP8 caches; it takes the decode tokens unless FDLITE_DECODE_MMA=0 (the
+// CUDA-core kernel, for side-by-side runs).
 template <typename T, typename C, int D>
-constexpr bool kDecodeMmaBuilt = !std::is_same<T, float>::value && std::is_same<T, C>::value && (D == 64 || D == 128);
+constexpr bool kDecodeMmaBuilt = !std::is_same<T, float>::value &&
+                                 (std::is_same<T, C>::value || std::is_same<C, uint8_t>::value) && (D == 64 || D == 128);
 
 template <typename T, typename C, int D>
 bool decode_on_mma() {
   return kDecodeMmaBuilt<T, C, D> && options().decode_mma;
+}
+
+// The tensor-core decode kernel's instance for g query heads a KV head (R: 8-row groups) and block size bs (a
+// multiple of 8: a warp's 8 keys in one cache block), with its shared memory.
+template <typename T, typename C, int D>
+std::pair<void (*)(Args), size_t> decode_mma_instance(int g, int bs) {
+  if constexpr (kDecodeMmaBuilt<T, C, D>) {
+    allow_smem<attn_decode_mma_kernel<T, C, D, 1, true>>(DecodeMma<T, C, D, 1>::bytes);
+    allow_smem<attn_decode_mma_kernel<T, C, D, 1, false>>(DecodeMma<T, C, D, 1>::bytes);
+    allow_smem<attn_decode_mma_kernel<T, C, D, 2, true>>(DecodeMma<T, C, D, 2>::bytes);
+    allow_smem<attn_decode_mma_kernel<T, C, D, 2, false>>(DecodeMma<T, C, D, 2>::bytes);
+    const bool ab = bs % 8 == 0;
+    if (g <= 8)
+      return {ab ? attn_decode_mma_kernel<T, C, D, 1, true> : attn_decode_mma_kernel<T, C, D, 1, false>,
+              DecodeMma<T, C, D, 1>::bytes};
+    return {ab ? attn_decode_mma_kernel<T, C, D, 2, true> : attn_decode_mma_kernel<T, C, D, 2, false>,
+            DecodeMma<T, C, D, 2>::bytes};
+  }
+  return {nullptr, 0};
 }
 
 // Blocks of the per-token kernel resident on one SM for this dtype, cache type, head_dim and g (cached).
@@ -808,15 +828,11 @@ int decode_blocks_per_sm(int g) {
   int& v = cache[on_mma][g];
   if (v == 0) {
     int n = 0;
-    if constexpr (kDecodeMmaBuilt<T, C, D>) {
-      if (on_mma) {
-        allow_smem<attn_decode_mma_kernel<T, D, true>>(DecodeMma<T, D>::bytes);
-        FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_mma_kernel<T, D, true>, NT,
-                                                                     DecodeMma<T, D>::bytes),
-                       "fdl_paged_attention: occupancy query");
-      }
-    }
-    if (!on_mma) {
+    if (on_mma) {
+      const auto inst = decode_mma_instance<T, C, D>(g, 64);  // AB or not: the same launch bounds and shared memory
+      FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, inst.first, NT, inst.second),
+                     "fdl_paged_attention: occupancy query");
+    } else {
       allow_smem<attn_decode_kernel<T, C, D, true>>(decode_smem<C, D>(MAXG));
       FDL_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attn_decode_kernel<T, C, D, true>, NT, decode_smem<C, D>(g)),
                      "fdl_paged_attention: occupancy query");
@@ -864,12 +880,9 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
   bool decode_done = false;
   if constexpr (kDecodeMmaBuilt<T, C, D>) {
     if (decode_on_mma<T, C, D>()) {
-      // a chunk inside one cache block (the default 64 keys): the block-table load a chunk ahead (ChunkBlock)
-      auto kernel = a.bs % KC == 0 ? attn_decode_mma_kernel<T, D, true> : attn_decode_mma_kernel<T, D, false>;
-      allow_smem<attn_decode_mma_kernel<T, D, true>>(DecodeMma<T, D>::bytes);
-      allow_smem<attn_decode_mma_kernel<T, D, false>>(DecodeMma<T, D>::bytes);
-      launch("attn_decode_mma_kernel", kernel, dim3((unsigned)a.dslots, a.kvh, zsplits), NT,
-             DecodeMma<T, D>::bytes, s, pdl_rows(a.T), a);
+      const auto inst = decode_mma_instance<T, C, D>(a.g, a.bs);
+      launch("attn_decode_mma_kernel", inst.first, dim3((unsigned)a.dslots, a.kvh, zsplits), NT, inst.second, s,
+             pdl_rows(a.T), a);
       decode_done = true;
     }
   }
