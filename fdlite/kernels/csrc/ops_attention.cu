@@ -26,9 +26,9 @@
 //    token, each finding its row and exiting, had cost the op 80 us of a Llama-3.1-8B layer's 8k-token step).
 //    One block holds the h / kvh query heads of one KV head, so each K/V byte is read once per KV head; long
 //    contexts are split across blocks, and the last block of each (token, KV head) to finish merges the splits
-//    (a self-resetting counter: no second kernel to launch and wait for). bf16 / fp16 at head_dim 64 / 128 over
-//    model-dtype caches compute on tensor cores (attention_decode_mma.cuh), the rest on CUDA cores
-//    (attn_decode_kernel below).
+//    (a self-resetting counter: no second kernel to launch and wait for). bf16 / fp16 at head_dim 64 / 128 (over
+//    model-dtype or FP8 caches) compute on tensor cores (attention_decode_mma.cuh), fp32 and head_dim 256 on CUDA
+//    cores (attn_decode_kernel below).
 //  - tile ("prefill") kernel, grid (ceil(T / tile_tokens), kvh): each block takes a fixed slice of
 //    the flat token axis and works through the row segments inside it (rows with q_len > 4): query
 //    rows (token x head) against chunks of keys, so K/V are read once per tile, not per token. bf16 /
@@ -38,8 +38,8 @@
 //    fp32 and head_dim 256 the CUDA-core kernel below (64 rows against 32-key chunks).
 // Both stream K/V chunks through shared memory with cp.async double buffering and keep the online
 // softmax in float32 (scores in log2 units, exp2).
-// FP8 caches (fdl_paged_attention_fp8: uint8 e4m3 bits, a float32 scale per cache row): the per-token kernel
-// multiplies each key's score by its K scale and each probability by its V scale; the tile kernel stages e4m3
+// FP8 caches (fdl_paged_attention_fp8: uint8 e4m3 bits, a float32 scale per cache row): the per-token kernels
+// multiply each key's score by its K scale and each probability by its V scale; the tile kernel stages e4m3
 // chunks and widens value x scale into its model-dtype tiles (attention_mma.cuh).
 #include <math_constants.h>
 
@@ -162,8 +162,9 @@ struct ChunkRows {
 // ChunkRows when the cache's block size is a multiple of KC (the default 64): a chunk (its first key a multiple of KC)
 // then lies in one cache block, so compute() only loads that block's table entry and issue() forms the copies' rows
 // from it, and the load's latency hides behind the chunk computed between the two calls. ChunkRows forms every row
-// at once: Nsight Compute on the tensor-core decode kernel (rows of 100-2,048 keys, batch 256) found about a tenth
-// of its stall samples on the multiply right after that load.
+// at once: Nsight Compute on the tensor-core decode kernel of the time (rows of 100-2,048 keys, batch 256) found about a
+// tenth of its stall samples on the multiply right after that load. The CUDA-core kernel's (the tensor-core one now
+// copies per warp: WarpCopies, attention_decode_mma.cuh).
 template <typename T, int D>
 struct ChunkBlock {
   static constexpr int N = ChunkRows<T, D>::N;
