@@ -77,8 +77,9 @@ def test_harness_section_runs_quick_on_cpu(tmp_path):
 def test_step_times_section_runs_quick_on_cpu(tmp_path, job):
     """e2e_harness.py's `step_times`: the job async (wall time only), then with every step timed; the timed steps are
     all of the job's steps, grouped by kind, and their sum fits in the job's wall time."""
-    res = run_section_quick_on_cpu(tmp_path, "step_times", FDLITE_PROFILE_MODEL="qwen3_4b_dense",
-                                   FDLITE_STEP_TIMES_JOB=job)
+    # the shape by its full name, or by a word only it holds (moe_bench's --cases form)
+    res = run_section_quick_on_cpu(tmp_path, "step_times", FDLITE_STEP_TIMES_JOB=job,
+                                   FDLITE_PROFILE_MODEL="qwen3_4b_dense" if job == "protocol" else "qwen3_4b")
     timed = res["results"][f"sync_timed_{job}_qwen3_4b_dense"]
     assert res["results"][f"async_{job}_qwen3_4b_dense"]["generate_s"] > 0
     kinds = timed["by_kind"]
@@ -88,3 +89,16 @@ def test_step_times_section_runs_quick_on_cpu(tmp_path, job):
     decode = sum(v["steps"] for k, v in kinds.items() if k.startswith("decode <="))
     # 8 short prompts: one or two prefill steps, then the decode-only steps of their 8+ output tokens
     assert 1 <= prefill <= 2 and decode >= 7
+
+
+@pytest.mark.parametrize("value,why", [("llama3_70b", "names no shape"), ("qwen3", "names more than one shape")])
+def test_step_times_section_names_the_shapes_for_a_bad_model(tmp_path, value, why):
+    """An FDLITE_PROFILE_MODEL that is no shape (or several) stops the section at once with the known names."""
+    env = {**os.environ, "FDLITE_E2E_DEVICE": "cpu", "FDLITE_PROFILE_MODEL": value}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu", "e2e_harness.py"), "step_times", "--quick",
+                           "--out", str(tmp_path / "out"), "--models", str(tmp_path / "models")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert f"FDLITE_PROFILE_MODEL={value!r} {why}" in proc.stderr
+    assert "llama31_8b_dense" in proc.stderr and "qwen3_06b" in proc.stderr
+    assert not (tmp_path / "models").exists()  # nothing built

@@ -693,6 +693,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "profile-model-word-not-resolved",
+        "FDLITE_PROFILE_MODEL as a word only one shape holds (moe_bench's --cases form) is refused instead of resolved",
+        (Edit("tools/gpu/e2e_harness.py", "    if len(hits) == 1:\n        return hits[0]\n",
+              "    if len(hits) == 1 and False:  # MUTATION\n        return hits[0]\n"),),
+        ("tests/test_moe_bench_tools.py::test_step_times_section_runs_quick_on_cpu",),
+        "new",
+    ),
+    Mutation(
         "kv-sizing-report-peak-not-activations",
         "The profile's activation peak (KV sizing, graph reserve, startup report) is its whole peak, weights included",
         (Edit("fdlite/kvcache/sizing.py",

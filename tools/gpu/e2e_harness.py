@@ -1399,7 +1399,7 @@ def section_profile():
     cuda = ctypes.CDLL("libcuda.so.1")
     kind = os.environ.get("FDLITE_PROFILE_KIND", "mixed")
     if kind == "prefill":
-        llm = full_size_llm(os.environ.get("FDLITE_PROFILE_MODEL", "ernie45_21b_a3b"), use_cudagraph=False,
+        llm = full_size_llm(shape_name(os.environ.get("FDLITE_PROFILE_MODEL", "ernie45_21b_a3b")), use_cudagraph=False,
                             async_scheduling=False)
         prompts = prefill_heavy_prompts(32)
         outs = [8] * len(prompts)
@@ -1939,6 +1939,19 @@ MOE_BENCH_QUICK = {
 }
 
 
+def shape_name(value: str, also: tuple = ()) -> str:
+    """FDLITE_PROFILE_MODEL's shape: a MOE_BENCH_SHAPES name (or one of `also`), or the one such name that holds
+    `value` (moe_bench's --cases words: llama31_8b for llama31_8b_dense); otherwise an error naming the choices."""
+    names = (*MOE_BENCH_SHAPES, *also)
+    if value in names:
+        return value
+    hits = [n for n in names if value in n]
+    if len(hits) == 1:
+        return hits[0]
+    raise ValueError(f"FDLITE_PROFILE_MODEL={value!r} names {'more than one' if hits else 'no'} shape: one of "
+                     f"{', '.join(names)}")
+
+
 def config_only_model(name: str) -> str:
     """A folder holding only `name`'s config.json (MOE_BENCH_SHAPES; toy sizes under --quick)."""
     cfg = {**MOE_BENCH_SHAPES[name], **(MOE_BENCH_QUICK[name] if ARGS.quick else {})}
@@ -1963,7 +1976,7 @@ def full_size_llm(name: str, **options):
 def section_step_times():
     """Where a job's wall time goes, without a profiler (the lent machines have none that sees inside graphs): a job
     (FDLITE_STEP_TIMES_JOB: prefill_heavy, the default, or protocol) on FDLITE_PROFILE_MODEL (a MOE_BENCH_SHAPES
-    name with random weights, or qwen3_06b as section_throughput builds it) with graphs, run twice: async
+    name with random weights, or qwen3_06b as section_throughput builds it; `shape_name`) with graphs, run twice: async
     scheduling (the default: its generate wall time), then synchronous with each `ModelRunner.execute` bracketed by
     device syncs, so its time is the step's GPU time plus the host work that issues it. Their difference is host
     time the GPU waits for; the step times by kind (`steps_by_kind`, as section_breakdown's) say which steps cost
@@ -1974,7 +1987,7 @@ def section_step_times():
     from fdlite import SamplingParams  # noqa: PLC0415
 
     sync = ctypes.CDLL("libcuda.so.1").cuCtxSynchronize if FDL_DEVICE == "gpu" else None
-    name = os.environ.get("FDLITE_PROFILE_MODEL", "qwen3_30b_a3b")
+    name = shape_name(os.environ.get("FDLITE_PROFILE_MODEL", "qwen3_30b_a3b"), also=("qwen3_06b",))
     job_name = os.environ.get("FDLITE_STEP_TIMES_JOB", "prefill_heavy")
     if job_name == "protocol":
         ids, outs = protocol(n=8, max_in=200, max_out=120) if ARGS.quick else protocol()
