@@ -1,7 +1,7 @@
-// Tensor-core primitives shared by fdlite's mma.sync kernels (the paged-attention tile kernel,
-// attention_mma.cuh, and the grouped expert GEMMs, moe_gemm_mma.cuh): ldmatrix loads from shared memory,
-// the m16n8k16 and m16n8k8 bf16 / fp16 MMAs with fp32 accumulators, and the packing of two floats into one register.
-// One copy, so both kernels agree on the fragment layouts they rely on:
+// Tensor-core primitives shared by fdlite's mma.sync kernels (the paged-attention tile and decode kernels,
+// attention_mma.cuh and attention_decode_mma.cuh, and the grouped expert GEMMs, moe_gemm_mma.cuh): ldmatrix loads
+// from shared memory, the m16n8k16 and m16n8k8 bf16 / fp16 MMAs with fp32 accumulators, and the packing of two floats
+// into one register. One copy, so the kernels agree on the fragment layouts they rely on:
 //   A (16x16, row-major) a0..a3 = (row g, k 0-7), (row g + 8, k 0-7), (row g, k 8-15), (row g + 8, k 8-15);
 //   B (16x8, "col": an [n][k] row-major tile) b0 = k 0-7, b1 = k 8-15 of column g;
 //   C c0, c1 = row g, columns 2 q, 2 q + 1; c2, c3 = row g + 8, same columns (g = lane / 4, q = lane % 4).
