@@ -846,20 +846,32 @@ def with_options(f, **options):
 
 
 # The decode kernels on more shapes: the tensor-core one (attention_decode_mma.cuh, the default for bf16 / fp16 at
-# head_dim 64 / 128; GQA groups 1-16, splits automatic and forced, block sizes 16 / 64 / 12), and the CUDA-core one it
-# replaced (FDLITE_DECODE_MMA=0), which fp32 and head_dim 256 keep
+# head_dim 64 / 128 over model-dtype and FP8 caches; GQA groups 1-16, head_dim 64 / 128, splits automatic and forced,
+# block sizes 64, 16 and 12: not a multiple of 8, a warp's 8 keys of a chunk from several blocks), and the CUDA-core
+# one it replaced (FDLITE_DECODE_MMA=0), which fp32 and head_dim 256 keep
+DECODE_SHAPES = ((16, 8, 128, 64), (32, 8, 128, 64), (32, 4, 128, 16), (14, 2, 64, 16), (16, 1, 128, 64), (4, 4, 64, 64),
+                 (16, 8, 128, 12))
+
+
+def decode_kernel_checks(label, attend, cuda_core_rows):
+    """Both decode kernels through `attend` (t_attn, or t_attn_fp8 for FP8 caches), the checks named from `label`: the
+    tensor-core one on DECODE_SHAPES, the CUDA-core one at 16 / 8 and 32 / 4 heads on cuda_core_rows (the worse of
+    splits automatic and 3), bf16 and fp16."""
+    for dt in ("bfloat16", "float16"):
+        for h, kvh, d, bs in DECODE_SHAPES:
+            for s in (0, 3):
+                check(f"{label} tensor-core decode {dt} {h}/{kvh} heads d{d} bs{bs} splits={s or 'auto'}",
+                      attend(decode_rows + [(1, 0)], h=h, kvh=kvh, d=d, bs=bs, dt=dt, splits=s))
+        for h, kvh in ((16, 8), (32, 4)):
+            check(f"{label} CUDA-core decode {dt} {h}/{kvh} heads splits=auto / 3",
+                  with_options(lambda h=h, kvh=kvh, dt=dt: min(
+                      (attend(cuda_core_rows, h=h, kvh=kvh, dt=dt, splits=s)() for s in (0, 3)),
+                      key=lambda res: res[0]), decode_mma=False))
+
+
+decode_kernel_checks("paged_attention", t_attn, decode_rows + [(1, 0)])
 for dt in ("bfloat16", "float16"):
-    for h, kvh, d, bs in ((16, 8, 128, 64), (32, 8, 128, 64), (32, 4, 128, 16), (14, 2, 64, 16), (16, 1, 128, 64),
-                          (4, 4, 64, 64), (16, 8, 128, 12)):
-        for s in (0, 3):
-            check(f"paged_attention tensor-core decode {dt} {h}/{kvh} heads d{d} bs{bs} splits={s or 'auto'}",
-                  t_attn(decode_rows + [(1, 0)], h=h, kvh=kvh, d=d, bs=bs, dt=dt, splits=s))
     check(f"paged_attention tensor-core decode {dt} mixed decode+prefill 32/4 heads", t_attn(mixed_rows, h=32, kvh=4, dt=dt))
-    for h, kvh in ((16, 8), (32, 4)):
-        check(f"paged_attention CUDA-core decode {dt} {h}/{kvh} heads splits=auto / 3",
-              with_options(lambda h=h, kvh=kvh, dt=dt: min(
-                  (t_attn(decode_rows + [(1, 0)], h=h, kvh=kvh, dt=dt, splits=s)() for s in (0, 3)),
-                  key=lambda res: res[0]), decode_mma=False))
 check("paged_attention mixed, splits=4, max_q_len=64 bf16", t_attn(mixed_rows, splits=4, max_q_len=64))
 
 
@@ -986,20 +998,8 @@ check("paged_attention_fp8 decode splits=5 bf16", t_attn_fp8(decode_rows, splits
 for bs_ in (12, 16, 48, 64):  # a warp's 8 keys from one block-table entry (16, 48, 64) or one per key (12)
     check(f"paged_attention_fp8 decode-only step, block size {bs_}: rows across block edges, split and not",
           t_attn_fp8(edge_decodes, bs=bs_, max_q_len=1))
-# The tensor-core decode kernel over FP8 caches (e4m3 widened into fragment registers, fp16 MMAs): GQA groups 1-16,
-# head_dim 64 / 128, block sizes 64, 16 and 12 (not a multiple of 8: a warp's 8 keys of a chunk from several blocks),
-# splits automatic and forced; the CUDA-core kernel (FDLITE_DECODE_MMA=0) beside it
-for dt in ("bfloat16", "float16"):
-    for h, kvh, d, bs in ((16, 8, 128, 64), (32, 8, 128, 64), (32, 4, 128, 16), (14, 2, 64, 16), (16, 1, 128, 64),
-                          (4, 4, 64, 64), (16, 8, 128, 12)):
-        for s in (0, 3):
-            check(f"paged_attention_fp8 tensor-core decode {dt} {h}/{kvh} heads d{d} bs{bs} splits={s or 'auto'}",
-                  t_attn_fp8(decode_rows + [(1, 0)], h=h, kvh=kvh, d=d, bs=bs, dt=dt, splits=s))
-    for h, kvh in ((16, 8), (32, 4)):
-        check(f"paged_attention_fp8 CUDA-core decode {dt} {h}/{kvh} heads splits=auto / 3",
-              with_options(lambda h=h, kvh=kvh, dt=dt: min(
-                  (t_attn_fp8(decode_rows, h=h, kvh=kvh, dt=dt, splits=s)() for s in (0, 3)),
-                  key=lambda res: res[0]), decode_mma=False))
+# The decode kernels over FP8 caches (the tensor-core one widens e4m3 into fragment registers, fp16 MMAs)
+decode_kernel_checks("paged_attention_fp8", t_attn_fp8, decode_rows)
 check("paged_attention_fp8 decode-only step, block size 12, CUDA-core kernel",
       with_options(t_attn_fp8(edge_decodes, bs=12, max_q_len=1), decode_mma=False))
 check("paged_attention_fp8 mixed splits=3 max_q_len=64 bf16", t_attn_fp8(mixed_rows, splits=3, max_q_len=64))
