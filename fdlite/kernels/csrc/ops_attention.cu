@@ -163,8 +163,8 @@ struct ChunkRows {
 // then lies in one cache block, so compute() only loads that block's table entry and issue() forms the copies' rows
 // from it, and the load's latency hides behind the chunk computed between the two calls. ChunkRows forms every row
 // at once: Nsight Compute on the tensor-core decode kernel of the time (rows of 100-2,048 keys, batch 256) found about a
-// tenth of its stall samples on the multiply right after that load. The CUDA-core kernel's (the tensor-core one now
-// copies per warp: WarpCopies, attention_decode_mma.cuh).
+// tenth of its stall samples on the multiply right after that load. Used by the CUDA-core kernel; the tensor-core one
+// now copies per warp (WarpCopies, attention_decode_mma.cuh).
 template <typename T, int D>
 struct ChunkBlock {
   static constexpr int N = ChunkRows<T, D>::N;
