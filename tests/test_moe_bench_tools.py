@@ -89,6 +89,11 @@ def test_step_times_section_runs_quick_on_cpu(tmp_path, job):
     decode = sum(v["steps"] for k, v in kinds.items() if k.startswith("decode <="))
     # 8 short prompts: one or two prefill steps, then the decode-only steps of their 8+ output tokens
     assert 1 <= prefill <= 2 and decode >= 7
+    # the decode steps' fit: one per decode-only step; with its constant term, the parts add up to their time
+    fit = timed["decode_fit"]
+    assert fit["steps"] == decode
+    assert fit["fixed_s"] + fit["rows_s"] + fit["kv_s"] == pytest.approx(fit["seconds"], abs=2e-3)
+    assert fit["residual_rms_ms"] >= 0 and "kv_GB_s" in fit
 
 
 @pytest.mark.parametrize("value,why", [("llama3_70b", "names no shape"), ("qwen3", "names more than one shape")])

@@ -701,6 +701,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "decode-fit-without-fixed-term",
+        "The step-times decode fit has no per-step constant, so its parts no longer add up to the steps' time",
+        (Edit("tools/gpu/e2e_harness.py", "a = np.array([[1.0, d, kv] for d, kv, _ in rows])",
+              "a = np.array([[0.0, d, kv] for d, kv, _ in rows])  # MUTATION"),),
+        ("tests/test_moe_bench_tools.py::test_step_times_section_runs_quick_on_cpu",),
+        "new",
+    ),
+    Mutation(
         "kv-sizing-report-peak-not-activations",
         "The profile's activation peak (KV sizing, graph reserve, startup report) is its whole peak, weights included",
         (Edit("fdlite/kvcache/sizing.py",

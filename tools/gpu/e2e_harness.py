@@ -1312,8 +1312,9 @@ def section_latency():
 
 @contextlib.contextmanager
 def timed_steps(runner, sync=None):
-    """Inside: every `runner.execute` call recorded as (tokens, decodes, seconds) in the yielded list; `sync` (a
-    device synchronize), when given, brackets each call so its time covers the step's GPU work."""
+    """Inside: every `runner.execute` call recorded as (tokens, decodes, seconds, kv_tokens: the rows' context
+    lengths summed) in the yielded list; `sync` (a device synchronize), when given, brackets each call so its time
+    covers the step's GPU work."""
     inner, steps = runner.execute, []
 
     def timed(step):
@@ -1323,7 +1324,8 @@ def timed_steps(runner, sync=None):
         out = inner(step)
         if sync:
             sync()
-        steps.append((step.flat.num_tokens, step.flat.num_decodes, time.perf_counter() - t))
+        steps.append((step.flat.num_tokens, step.flat.num_decodes, time.perf_counter() - t,
+                      int(np.asarray(step.flat.seq_lens_kv, np.int64).sum())))
         return out
 
     runner.execute = timed
@@ -1334,10 +1336,10 @@ def timed_steps(runner, sync=None):
 
 
 def steps_by_kind(steps, wall: float) -> dict:
-    """(tokens, decodes, seconds) per step -> per kind (steps with prefill tokens; decode-only steps by batch size):
-    count, seconds, share of `wall`, ms a step, tokens and output tokens."""
+    """(tokens, decodes, seconds, ...) per step -> per kind (steps with prefill tokens; decode-only steps by batch
+    size): count, seconds, share of `wall`, ms a step, tokens and output tokens."""
     kinds: dict[str, list] = {}
-    for tokens, decodes, sec in steps:
+    for tokens, decodes, sec, *_ in steps:
         if tokens > decodes:
             key = "with prefill tokens"
         else:
@@ -1350,6 +1352,33 @@ def steps_by_kind(steps, wall: float) -> dict:
     return {key: {"steps": n, "seconds": round(sec, 3), "share_of_wall": round(sec / wall, 3),
                   "ms_per_step": round(sec / n * 1e3, 3), "tokens": tok, "output_tokens": dec}
             for key, (n, sec, tok, dec) in sorted(kinds.items())}
+
+
+def decode_fit(steps, kv_bytes_per_token: int) -> dict:
+    """Least squares over the decode-only steps of `timed_steps`: seconds = fixed + per_row * rows + per_kv * kv_tokens.
+    `fixed` and `per_row` are what a step costs besides reading its KV (weights, small kernels, sampling, host);
+    per_kv's bandwidth (kv_bytes_per_token / per_kv) is what the attention reads at; the parts' sums say how much of
+    the job's decode time each term takes."""
+    rows = [(d, kv, sec) for tokens, d, sec, kv in steps if tokens == d and d > 0]
+    if len(rows) < 3:
+        return {}
+    a = np.array([[1.0, d, kv] for d, kv, _ in rows])
+    y = np.array([sec for *_, sec in rows])
+    (fixed, per_row, per_kv), *_ = np.linalg.lstsq(a, y, rcond=None)
+    fit = a @ np.array([fixed, per_row, per_kv])
+    return {"steps": len(rows), "seconds": round(float(y.sum()), 3), "fixed_ms": round(fixed * 1e3, 4),
+            "per_row_us": round(per_row * 1e6, 3), "per_kv_token_ns": round(per_kv * 1e9, 4),
+            "kv_GB_s": round(kv_bytes_per_token / per_kv / 1e9, 1) if per_kv > 0 else None,
+            "fixed_s": round(fixed * len(rows), 3), "rows_s": round(per_row * float(a[:, 1].sum()), 3),
+            "kv_s": round(per_kv * float(a[:, 2].sum()), 3),
+            "residual_rms_ms": round(float(np.sqrt(np.mean((fit - y) ** 2))) * 1e3, 4)}
+
+
+def kv_bytes_per_token(llm) -> int:
+    """Bytes of K and V one token holds in the cache over all layers (the model's own dtype or FP8's byte)."""
+    cfg = llm.runner.model.config
+    elem = 1 if llm.config.kv_cache_dtype == "fp8" else (4 if str(llm.runner.dtype) == "float32" else 2)
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
 def section_breakdown():
@@ -1997,6 +2026,7 @@ def section_step_times():
                                                                                           else 256)
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ids]
+    kv_bytes = 0
 
     def engine(async_scheduling: bool):
         if name == "qwen3_06b":
@@ -2004,7 +2034,9 @@ def section_step_times():
         return full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling)
 
     def job(async_scheduling: bool):
+        nonlocal kv_bytes
         llm = engine(async_scheduling)
+        kv_bytes = kv_bytes_per_token(llm)
         try:
             warm_up(llm)
             # synchronous: every step timed with its GPU work; async: the wall time only
@@ -2018,7 +2050,7 @@ def section_step_times():
         out = {"generate_s": round(wall, 3)}
         if steps:
             out.update({"execute_s": round(sum(s[2] for s in steps), 3), "steps": len(steps),
-                        "by_kind": steps_by_kind(steps, wall)})
+                        "by_kind": steps_by_kind(steps, wall), "decode_fit": decode_fit(steps, kv_bytes)})
         return out
 
     run(f"async_{job_name}_{name}", lambda: job(True))

@@ -1123,20 +1123,25 @@ log("\n=== (f) LM-head logits, argmax, sampling")
 poison()
 
 
-def t_argmax():
-    S, V = 33, 151936
-    x = rng.standard_normal((S, V)).astype(np.float32)
-    x[3, 100] = x[3, 5000] = 50.0  # ties: first index wins
-    x[4, :] = -np.inf
-    x[5, 7] = np.nan
-    x[5, 9] = 60.0
-    got = to_np(G.argmax(to_gpu(x, "float32")))
-    ref = np.argmax(np.where(np.isnan(x), -np.inf, x), axis=1)
-    ok = np.array_equal(got, ref)
-    return ok, 0.0 if ok else math.inf, 0, f"S={S} V={V} ties/-inf/NaN rows included"
+def t_argmax(S, V):
+    def f():
+        x = rng.standard_normal((S, V)).astype(np.float32)
+        x[3, 100] = x[3, min(5000, V - 1)] = 50.0  # ties: first index wins
+        x[4, :] = -np.inf
+        x[5, 7] = np.nan
+        x[5, 9] = 60.0
+        x[6, V - 1] = x[6, V // 2] = 70.0  # ties in different chunks of 8,192 entries
+        x[7, min(8191, V - 2)] = x[7, min(8192, V - 1)] = 80.0  # either side of the first chunk edge
+        got = to_np(G.argmax(to_gpu(x, "float32")))
+        ref = np.argmax(np.where(np.isnan(x), -np.inf, x), axis=1)
+        ok = np.array_equal(got, ref)
+        return ok, 0.0 if ok else math.inf, 0, f"S={S} V={V} ties/-inf/NaN rows included"
+    return f
 
 
-check("argmax [33,151936] float32", t_argmax)
+check("argmax [33,151936] float32", t_argmax(33, 151936))
+check("argmax [9,24581] float32 (V % 4 != 0: single-float loads; a short last chunk)", t_argmax(9, 3 * 8192 + 5))
+check("argmax [9,1000] float32 (one chunk, mostly past the row's end)", t_argmax(9, 1000))
 
 
 def t_uniform():
@@ -1153,12 +1158,13 @@ def t_uniform():
 check("uniform (counter-based noise) GPU == numpy", t_uniform)
 
 
-def t_sample(S, V, peaky=3.0):
+def t_sample(S, V, peaky=3.0, plain=False):
+    """plain: no top-k / top-p (the rows drawn from chunk masses), greedy and min-p rows among them."""
     def f():
         x = (rng.standard_normal((S, V)) * peaky).astype(np.float32)
         temp = rng.choice([0.0, 0.5, 0.7, 1.0, 1.3], S).astype(np.float32)
-        topk = rng.choice([0, 1, 5, 50, 1000], S).astype(np.int32)
-        topp = rng.choice([1.0, 0.9, 0.5, 0.99], S).astype(np.float32)
+        topk = rng.choice([0] if plain else [0, 1, 5, 50, 1000], S).astype(np.int32)
+        topp = rng.choice([1.0] if plain else [1.0, 0.9, 0.5, 0.99], S).astype(np.float32)
         minp = rng.choice([0.0, 0.0, 0.05, 0.2], S).astype(np.float32)
         seeds = rng.integers(0, 2**63 - 1, S, dtype=np.int64)
         pos = rng.integers(0, 5000, S)
@@ -1185,6 +1191,10 @@ def t_sample(S, V, peaky=3.0):
 
 check("sample [256,151936] mixed greedy/temperature/top-k/top-p/min-p vs numpy reference", t_sample(256, 151936))
 check("sample [64,1000] flat logits (many ties)", t_sample(64, 1000, peaky=0.01))
+check("sample [256,151936] temperature / min-p rows only (chunk masses) vs numpy reference",
+      t_sample(256, 151936, plain=True))
+check("sample [64,24581] temperature / min-p rows only, V % 4 != 0 (single-float loads)",
+      t_sample(64, 3 * 8192 + 5, peaky=0.3, plain=True))
 
 
 # ------------------------------------------------------------------ logits processors (ops_logits.cu)
@@ -1736,13 +1746,15 @@ if not ARGS.no_bench:
     def bench_sampling():
         out = []
         V = 151936
-        for S in (1, 64, 256):
+        for S in (1, 64, 128, 256):
             x = to_gpu(rng.standard_normal((S, V)) * 3, "float32")
             args = [to_gpu(np.full(S, 0.8, np.float32), "float32"), to_gpu(np.full(S, 50, np.int32), "int32"),
                     to_gpu(np.full(S, 0.9, np.float32), "float32"), to_gpu(np.full(S, 0.0, np.float32), "float32"),
                     to_gpu(np.arange(S, dtype=np.int64), "int64"), to_gpu(np.arange(S, dtype=np.int64), "int64")]
             nok = [args[0], to_gpu(np.zeros(S, np.int32), "int32"), args[2], args[3], args[4], args[5]]
+            plain = [args[0], nok[1], to_gpu(np.ones(S, np.float32), "float32"), args[3], args[4], args[5]]
             for name, fn in (("argmax", lambda: G.argmax(x)),
+                             ("sample temperature=0.8 only", lambda: G.sample(x, *plain)),
                              ("sample top_k=50 top_p=0.9", lambda: G.sample(x, *args)),
                              ("sample top_p=0.9 only", lambda: G.sample(x, *nok))):
                 us = graph_time_us(fn, per_graph=10, replays=5)

@@ -16,6 +16,10 @@
 // bin's elements (in shared memory when they fit). Then inverse-CDF sampling in vocabulary order with
 // u(seed, pos, 0): the first token whose inclusive cumulative weight exceeds floor(u * Z).
 //
+// Rows are read in chunks of kChunk entries, one block each (chunk_max_kernel, chunk_mass_kernel), so a row's
+// passes spread over many SMs at any batch; the chunking changes no result (the first index among equal
+// maxima, integer masses). Rows with top-k or top-p then take sample_kernel's select, one block per row.
+//
 // Masses are integers, w = round(exp(x - max x) * 2^44), summed exactly, so the result is
 // deterministic (no order-dependent float atomics) and a CPU implementation of the same rule draws
 // the same token except where expf differs in the last bit at a boundary. Tokens with
@@ -114,37 +118,169 @@ __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
   }
 }
 
-// Argmax of row (first index among equal maxima; NaN counts as -inf). Every thread gets it.
-__device__ void row_argmax(const float* row, int V, Shared& sh, float& best_v, int& best_i) {
+// ------------------------------------------------------------------ chunked row passes
+// A step of 256 rows with one 1,024-thread block a row read its logits at about 1.4 TB/s (one load in flight a
+// thread), and a single row ran on one SM. A chunk block issues all of its thread's loads before using any.
+constexpr int kChunk = 8192;           // vocabulary entries a chunk block reads
+constexpr int kCT = 256;               // threads of a chunk block
+constexpr int kPerT = kChunk / kCT;    // entries a thread, loaded at once
+constexpr int kWalkPerT = kChunk / NT;  // entries a thread of sample_kernel walks in the drawn chunk
+
+struct ChunkMax {
+  float v;  // the chunk's maximum (NaN as -inf)
+  int i;    // its first index; INT_MAX when every entry is -inf
+};
+static_assert(sizeof(ChunkMax) == sizeof(uint64_t), "the workspace holds ChunkMax and uint64 masses alike");
+
+// Row index of thread t's u-th entry of the chunk starting at c0. VEC 4: 16-byte loads (V % 4 == 0 and the
+// logits 16-byte aligned), else single floats; either way a thread's indices increase with u.
+template <int VEC>
+__device__ __forceinline__ int chunk_index(int c0, int u) {
+  return VEC == 4 ? c0 + ((u >> 2) * kCT + (int)threadIdx.x) * 4 + (u & 3) : c0 + u * kCT + (int)threadIdx.x;
+}
+
+// This thread's entries of chunk c (NaN as -inf; -inf past the row's end). A whole chunk loads without
+// bounds tests, so every load is issued before the first is used (a test per load kept them in a chain).
+template <int VEC, bool WHOLE>
+__device__ __forceinline__ void load_entries(const float* row, int c0, int V, float (&x)[kPerT]) {
+  if constexpr (VEC == 4) {
+#pragma unroll
+    for (int g = 0; g < kPerT / 4; ++g) {
+      const int i = chunk_index<4>(c0, 4 * g);
+      const float4 f = WHOLE || i < V ? __ldg(reinterpret_cast<const float4*>(row + i))
+                                      : make_float4(-CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F);
+      x[4 * g] = f.x;
+      x[4 * g + 1] = f.y;
+      x[4 * g + 2] = f.z;
+      x[4 * g + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int u = 0; u < kPerT; ++u) {
+      const int i = chunk_index<1>(c0, u);
+      x[u] = WHOLE || i < V ? __ldg(row + i) : -CUDART_INF_F;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kPerT; ++u) x[u] = clean(x[u]);
+}
+
+template <int VEC>
+__device__ __forceinline__ void load_chunk(const float* row, int c, int V, float (&x)[kPerT]) {
+  const int c0 = c * kChunk;
+  if (c0 + kChunk <= V) load_entries<VEC, true>(row, c0, V, x);
+  else load_entries<VEC, false>(row, c0, V, x);
+}
+
+// (value, first index) of the row's maximum from its P chunk maxima, in every lane of the calling warp.
+__device__ __forceinline__ ChunkMax row_max_of(const ChunkMax* part, int P) {
   float bv = -CUDART_INF_F;
   int bi = 0x7fffffff;
-  for (int i = threadIdx.x; i < V; i += NT) {
-    const float x = clean(row[i]);
-    if (x > bv) {  // i increases per thread, so the first maximum is kept
-      bv = x;
-      bi = i;
+  for (int c = threadIdx.x & 31; c < P; c += 32) {
+    const ChunkMax m = part[c];
+    if (m.v > bv || (m.v == bv && m.i < bi)) {
+      bv = m.v;
+      bi = m.i;
+    }
+  }
+  warp_argmax(bv, bi);
+  return {bv, bi == 0x7fffffff ? 0 : bi};
+}
+
+// Block s * P + c: the maximum of row s's chunk c -> part[s * P + c].
+template <int VEC>
+__global__ void __launch_bounds__(kCT) chunk_max_kernel(ChunkMax* __restrict__ part, const float* __restrict__ logits,
+                                                        int V, int P) {
+  pdl_trigger();
+  pdl_wait();
+  __shared__ ChunkMax wm[kCT / 32];
+  const int64_t s = blockIdx.x / P;
+  const int c = (int)(blockIdx.x % P);
+  float x[kPerT];
+  load_chunk<VEC>(logits + s * (int64_t)V, c, V, x);
+  float bv = -CUDART_INF_F;
+  int bi = 0x7fffffff;
+#pragma unroll
+  for (int u = 0; u < kPerT; ++u) {
+    if (x[u] > bv) {  // indices increase with u: the first maximum is kept
+      bv = x[u];
+      bi = chunk_index<VEC>(c * kChunk, u);
     }
   }
   warp_argmax(bv, bi);
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  __syncthreads();
-  if (lane == 0) {
-    sh.fv[wid] = bv;
-    sh.fi[wid] = bi;
-  }
+  if (lane == 0) wm[wid] = {bv, bi};
   __syncthreads();
   if (wid == 0) {
-    bv = sh.fv[lane];
-    bi = sh.fi[lane];
+    bv = lane < kCT / 32 ? wm[lane].v : -CUDART_INF_F;
+    bi = lane < kCT / 32 ? wm[lane].i : 0x7fffffff;
     warp_argmax(bv, bi);
-    if (lane == 0) {
-      sh.f0 = bv;
-      sh.i0 = bi == 0x7fffffff ? 0 : bi;
-    }
+    if (lane == 0) part[blockIdx.x] = {bv, bi};
+  }
+}
+
+// fdl_argmax's second kernel: one warp a row.
+__global__ void argmax_finish_kernel(int64_t* __restrict__ out, const ChunkMax* __restrict__ part, int P) {
+  pdl_trigger();
+  pdl_wait();
+  const ChunkMax m = row_max_of(part + blockIdx.x * (int64_t)P, P);
+  if (threadIdx.x == 0) out[blockIdx.x] = m.i;
+}
+
+__device__ __forceinline__ bool filtered_row(const int* top_k, const float* top_p, int64_t s, int V) {
+  const int k = top_k[s];
+  return (k > 0 && k < V) || top_p[s] < 1.f;
+}
+
+// Block s * P + c, after chunk_max_kernel. Greedy rows: block c = 0 writes the argmax. Rows with top-k or top-p:
+// nothing (sample_kernel selects). Others: the integer mass of chunk c above the min-p threshold ->
+// mass[s * P + c], for sample_kernel's draw.
+template <int VEC>
+__global__ void __launch_bounds__(kCT) chunk_mass_kernel(uint64_t* __restrict__ mass, int64_t* __restrict__ out,
+                                                         const ChunkMax* __restrict__ part,
+                                                         const float* __restrict__ logits, int V, int P,
+                                                         const float* __restrict__ temperature,
+                                                         const int* __restrict__ top_k, const float* __restrict__ top_p,
+                                                         const float* __restrict__ min_p) {
+  pdl_trigger();
+  pdl_wait();
+  __shared__ ChunkMax best;
+  __shared__ uint64_t wsum[kCT / 32];
+  const int64_t s = blockIdx.x / P;
+  const int c = (int)(blockIdx.x % P);
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  if (wid == 0) {
+    const ChunkMax m = row_max_of(part + s * P, P);
+    if (lane == 0) best = m;
   }
   __syncthreads();
-  best_v = sh.f0;
-  best_i = sh.i0;
+  const float temp = temperature[s];
+  if (temp < 1e-5f || best.v == -CUDART_INF_F) {
+    if (c == 0 && threadIdx.x == 0) out[s] = best.i;
+    return;
+  }
+  if (filtered_row(top_k, top_p, s, V)) return;
+  const float mx = best.v / temp;
+  const float mp = min_p[s];
+  const float thr = mp > 0.f ? mx + logf(mp) : -CUDART_INF_F;
+  float x[kPerT];
+  load_chunk<VEC>(logits + s * (int64_t)V, c, V, x);
+  uint64_t sum = 0;
+#pragma unroll
+  for (int u = 0; u < kPerT; ++u) {
+    const float y = x[u] / temp;
+    if (y >= thr) sum += weight(y, mx);  // -inf past the row's end weighs 0
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (lane == 0) wsum[wid] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint64_t t = 0;
+#pragma unroll
+    for (int w = 0; w < kCT / 32; ++w) t += wsum[w];
+    mass[blockIdx.x] = t;
+  }
 }
 
 __device__ __forceinline__ void hist_add(Shared& sh, int b, uint64_t w) {
@@ -256,32 +392,102 @@ __device__ float select_desc(const float* row, int V, float temp, float mx, floa
   return kfloat(prefix);
 }
 
-// One block per row. temperature < 1e-5 (fdlite's SAMPLING_EPS): greedy.
-__global__ void __launch_bounds__(NT) sample_kernel(int64_t* __restrict__ out, const float* __restrict__ logits, int V,
-                                                    const float* __restrict__ temperature,
+// Row s's draw from the masses of its chunks (chunk_mass_kernel): the chunk holding the target, then its
+// entries, kWalkPerT consecutive ones a thread, scanned over the block. thr: the min-p threshold.
+__device__ void draw_from_chunks(int64_t* out, const uint64_t* mass, const float* row, int V, int P, float temp,
+                                 float mx, float thr, uint64_t seed, uint64_t pos, int best_i, Shared& sh) {
+  if (threadIdx.x == 0) {
+    uint64_t Z = 0;
+    for (int c = 0; c < P; ++c) Z += mass[c];
+    int chosen = -1;
+    uint64_t target = 0;
+    if (Z > 0) {
+      const float u = uniform01(seed, pos, 0);
+      target = (uint64_t)((double)u * (double)Z);
+      if (target >= Z) target = Z - 1;
+      for (int c = 0; c < P; ++c) {
+        if (target < mass[c]) {
+          chosen = c;
+          break;
+        }
+        target -= mass[c];
+      }
+    }
+    sh.bin = chosen;
+    sh.target = target;  // relative to the chosen chunk's start
+  }
+  __syncthreads();
+  const int c = sh.bin;
+  if (c < 0) {  // nothing kept (cannot happen with a finite max): greedy
+    if (threadIdx.x == 0) *out = best_i;
+    return;
+  }
+  const uint64_t target = sh.target;
+  const int i0 = c * kChunk + (int)threadIdx.x * kWalkPerT;
+  float y[kWalkPerT];
+  uint64_t mine = 0;
+#pragma unroll
+  for (int e = 0; e < kWalkPerT; ++e) {
+    const int i = i0 + e;
+    y[e] = i < V ? clean(row[i]) / temp : -CUDART_INF_F;
+  }
+#pragma unroll
+  for (int e = 0; e < kWalkPerT; ++e)
+    if (y[e] >= thr) mine += weight(y[e], mx);
+  const uint64_t incl = block_scan(mine, sh.tmp);
+  uint64_t acc = incl - mine;
+  if (acc <= target && target < incl) {  // exactly one thread: the entry whose inclusive mass first exceeds target
+    int found = i0 + kWalkPerT - 1;
+#pragma unroll
+    for (int e = 0; e < kWalkPerT; ++e) {
+      if (y[e] >= thr) acc += weight(y[e], mx);
+      if (acc > target) {
+        found = i0 + e;
+        break;
+      }
+    }
+    *out = found;
+  }
+}
+
+// One block per row, after chunk_mass_kernel (which wrote the greedy rows' tokens): rows without top-k and top-p
+// draw from their chunk masses; the others find their thresholds by select, then draw over the whole row.
+__global__ void __launch_bounds__(NT) sample_kernel(int64_t* __restrict__ out, const ChunkMax* __restrict__ maxima,
+                                                    const uint64_t* __restrict__ mass, const float* __restrict__ logits,
+                                                    int V, int P, const float* __restrict__ temperature,
                                                     const int* __restrict__ top_k, const float* __restrict__ top_p,
                                                     const float* __restrict__ min_p, const int64_t* __restrict__ seeds,
-                                                    const int64_t* __restrict__ positions, bool greedy_only) {
+                                                    const int64_t* __restrict__ positions) {
   pdl_trigger();
   pdl_wait();
   __shared__ Shared sh;
   const int64_t s = blockIdx.x;
   const float* row = logits + s * (int64_t)V;
-  float best_v;
-  int best_i;
-  row_argmax(row, V, sh, best_v, best_i);
-  const float temp = greedy_only ? 0.f : temperature[s];
-  if (temp < 1e-5f || best_v == -CUDART_INF_F) {
-    if (threadIdx.x == 0) out[s] = best_i;
+  if (threadIdx.x < 32) {
+    const ChunkMax m = row_max_of(maxima + s * P, P);
+    if (threadIdx.x == 0) {
+      sh.f0 = m.v;
+      sh.i0 = m.i;
+    }
+  }
+  __syncthreads();
+  const float best_v = sh.f0;
+  const int best_i = sh.i0;
+  const float temp = temperature[s];
+  if (temp < 1e-5f || best_v == -CUDART_INF_F) return;  // greedy: chunk_mass_kernel wrote it
+  const float mx = best_v / temp;  // division is monotone: max(x / t) == max(x) / t
+  const float mp = min_p[s];
+  if (!filtered_row(top_k, top_p, s, V)) {
+    draw_from_chunks(out + s, mass + s * P, row, V, P, temp, mx, mp > 0.f ? mx + logf(mp) : -CUDART_INF_F,
+                     (uint64_t)seeds[s], (uint64_t)positions[s], best_i, sh);
     return;
   }
-  const float mx = best_v / temp;  // division is monotone: max(x / t) == max(x) / t
+  __syncthreads();  // sh.f0 / sh.i0 are reused below
   float thr = -CUDART_INF_F;
   const int k = top_k[s];
   if (k > 0 && k < V) thr = select_desc(row, V, temp, mx, -CUDART_INF_F, false, (uint64_t)k, 0.f, sh);
   const float p = top_p[s];
   if (p < 1.f) thr = fmaxf(thr, select_desc(row, V, temp, mx, thr, true, 0, p, sh));
-  const float mp = min_p[s];
   if (mp > 0.f) thr = fmaxf(thr, mx + logf(mp));
 
   // Inverse CDF in vocabulary order. Warp w sums its chunk; one warp then walks the chunk holding the target.
@@ -365,6 +571,31 @@ void check_logits(const paddle::Tensor& logits, const char* op) {
            ": logits must be [S, V] float32");
 }
 
+// The chunk passes' workspace: S * P chunk maxima, then S * P chunk masses.
+struct RowPasses {
+  paddle::Tensor ws;
+  int P;
+  bool vec;
+  ChunkMax* part() { return reinterpret_cast<ChunkMax*>(ws.data<int64_t>()); }
+  uint64_t* mass(int64_t S) { return reinterpret_cast<uint64_t*>(ws.data<int64_t>() + S * P); }
+};
+
+// chunk_max_kernel over logits [S, V] (S > 0).
+RowPasses chunk_maxima(const paddle::Tensor& logits, int64_t S, int V, cudaStream_t st, const char* op) {
+  const int P = (int)ceil_div(V, kChunk);
+  PD_CHECK(S * P < ((int64_t)1 << 31), op, ": too many rows for one launch");
+  RowPasses r{paddle::empty({2 * S * P}, paddle::DataType::INT64, logits.place()), P,
+              V % 4 == 0 && aligned16(logits.data())};
+  if (r.vec)
+    launch("chunk_max_kernel", chunk_max_kernel<4>, (unsigned)(S * P), kCT, 0, st, pdl_rows(S), r.part(),
+           logits.data<float>(), V, P);
+  else
+    launch("chunk_max_kernel", chunk_max_kernel<1>, (unsigned)(S * P), kCT, 0, st, pdl_rows(S), r.part(),
+           logits.data<float>(), V, P);
+  FDL_CHECK_LAUNCH(op);
+  return r;
+}
+
 }  // namespace
 }  // namespace fdl
 
@@ -376,9 +607,12 @@ std::vector<paddle::Tensor> Argmax(const paddle::Tensor& logits) {
   const int64_t S = logits.shape()[0];
   const int V = (int)logits.shape()[1];
   paddle::Tensor out = paddle::empty({S}, paddle::DataType::INT64, logits.place());
-  if (S > 0)
-    launch("sample_kernel", sample_kernel, (unsigned)S, NT, 0, stream_of(logits), pdl_rows(S), out.data<int64_t>(), logits.data<float>(), V, nullptr,
-                                                            nullptr, nullptr, nullptr, nullptr, nullptr, true);
+  if (S > 0) {
+    cudaStream_t st = stream_of(logits);
+    RowPasses r = chunk_maxima(logits, S, V, st, "fdl_argmax");
+    launch("argmax_finish_kernel", argmax_finish_kernel, (unsigned)S, 32, 0, st, pdl_rows(S), out.data<int64_t>(),
+           r.part(), r.P);
+  }
   FDL_CHECK_LAUNCH("fdl_argmax");
   return {out};
 }
@@ -405,10 +639,22 @@ std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::T
                seeds.dtype() == paddle::DataType::INT64 && positions.dtype() == paddle::DataType::INT64,
            op, ": temperature/top_p/min_p float32, top_k int32, seeds/positions int64");
   paddle::Tensor out = paddle::empty({S}, paddle::DataType::INT64, logits.place());
-  if (S > 0)
-    launch("sample_kernel", sample_kernel, (unsigned)S, NT, 0, stream_of(logits), pdl_rows(S), 
-        out.data<int64_t>(), logits.data<float>(), V, temperature.data<float>(), top_k.data<int>(), top_p.data<float>(),
-        min_p.data<float>(), seeds.data<int64_t>(), positions.data<int64_t>(), false);
+  if (S > 0) {
+    cudaStream_t st = stream_of(logits);
+    RowPasses r = chunk_maxima(logits, S, V, st, op);
+    const float* tp = temperature.data<float>();
+    const int* tk = top_k.data<int>();
+    const float *pp = top_p.data<float>(), *mp = min_p.data<float>();
+    if (r.vec)
+      launch("chunk_mass_kernel", chunk_mass_kernel<4>, (unsigned)(S * r.P), kCT, 0, st, pdl_rows(S), r.mass(S),
+             out.data<int64_t>(), r.part(), logits.data<float>(), V, r.P, tp, tk, pp, mp);
+    else
+      launch("chunk_mass_kernel", chunk_mass_kernel<1>, (unsigned)(S * r.P), kCT, 0, st, pdl_rows(S), r.mass(S),
+             out.data<int64_t>(), r.part(), logits.data<float>(), V, r.P, tp, tk, pp, mp);
+    launch("sample_kernel", sample_kernel, (unsigned)S, NT, 0, st, pdl_rows(S), out.data<int64_t>(), r.part(),
+           r.mass(S), logits.data<float>(), V, r.P, tp, tk, pp, mp, seeds.data<int64_t>(),
+           positions.data<int64_t>());
+  }
   FDL_CHECK_LAUNCH(op);
   return {out};
 }
