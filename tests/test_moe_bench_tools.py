@@ -94,6 +94,11 @@ def test_step_times_section_runs_quick_on_cpu(tmp_path, job):
     assert fit["steps"] == decode
     assert fit["fixed_s"] + fit["rows_s"] + fit["kv_s"] == pytest.approx(fit["seconds"], abs=2e-3)
     assert fit["residual_rms_ms"] >= 0 and "kv_GB_s" in fit
+    # the raw steps come back, one per step, and the fits by row count take the decode steps of their range
+    assert len(timed["steps_raw"]) == timed["steps"]
+    assert sum(t == d for t, d, _, _ in timed["steps_raw"]) == decode
+    small = timed["decode_fit_by_rows"]["1-64"]
+    assert small["steps"] == sum(1 for t, d, _, _ in timed["steps_raw"] if t == d and 1 <= d <= 64)
 
 
 @pytest.mark.parametrize("value,why", [("llama3_70b", "names no shape"), ("qwen3", "names more than one shape")])

@@ -2050,7 +2050,13 @@ def section_step_times():
         out = {"generate_s": round(wall, 3)}
         if steps:
             out.update({"execute_s": round(sum(s[2] for s in steps), 3), "steps": len(steps),
-                        "by_kind": steps_by_kind(steps, wall), "decode_fit": decode_fit(steps, kv_bytes)})
+                        "by_kind": steps_by_kind(steps, wall), "decode_fit": decode_fit(steps, kv_bytes),
+                        # the same fit over decode steps of 1-64, 65-128 and 129+ rows: where the KV read slows
+                        "decode_fit_by_rows": {f"{lo}-{hi}": decode_fit([st for st in steps if lo <= st[1] <= hi],
+                                                                          kv_bytes)
+                                               for lo, hi in ((1, 64), (65, 128), (129, 10**9))},
+                        # every step (tokens, decodes, microseconds, kv_tokens): other fits need no device time
+                        "steps_raw": [[t, d, round(sec * 1e6), kv] for t, d, sec, kv in steps]})
         return out
 
     run(f"async_{job_name}_{name}", lambda: job(True))
