@@ -27,6 +27,15 @@ def unknown_key_error(kind: str, key: str, known: list[str]) -> ValueError:
     return ValueError(f"unknown {kind} '{key}'{hint}")
 
 
+def build_checked(cls, values: dict[str, Any], kind: str):
+    """`cls(**values)` for a dataclass, refusing first any key it has no field for (`unknown_key_error`)."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in known:
+            raise unknown_key_error(kind, key, known)
+    return cls(**values)
+
+
 _DEVICE_RE = re.compile(r"^(cpu|gpu)(:\d+)?$")
 
 
@@ -97,11 +106,7 @@ class GraphOptimizationConfig:
                 raise ValueError(f"graph_optimization_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"graph_optimization_config must be a dict or JSON string, got {type(value).__name__}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in value:
-            if key not in known:
-                raise unknown_key_error("graph_optimization_config key", key, known)
-        return cls(**value)
+        return build_checked(cls, value, "graph_optimization_config key")
 
 
 @dataclass
@@ -304,11 +309,7 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword options, naming any unknown one (with a close match)."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in kwargs:
-            if key not in known:
-                raise unknown_key_error("option", key, known)
-        return cls(**kwargs)
+        return build_checked(cls, kwargs, "option")
 
     @staticmethod
     def help_table() -> list[tuple[str, Any, str]]:

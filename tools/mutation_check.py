@@ -701,6 +701,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "unknown-engine-option-accepted",
+        "An LLM option or graph_optimization_config key that names no field is passed on instead of refused by name",
+        (Edit("fdlite/config.py", "        if key not in known:\n            raise unknown_key_error(kind, key, known)\n",
+              "        if key not in known and False:  # MUTATION\n            raise unknown_key_error(kind, key, known)\n"),),
+        ("tests/test_bad_inputs.py::test_unknown_option_is_named",),
+        "new",
+    ),
+    Mutation(
         "decode-fit-without-fixed-term",
         "The step-times decode fit has no per-step constant, so its parts no longer add up to the steps' time",
         (Edit("tools/gpu/e2e_harness.py", "a = np.array([[1.0, d, kv] for d, kv, _ in rows])",
