@@ -1040,11 +1040,10 @@ def section_throughput():
     def step_times():
         llm = state["llm"]
         runner = llm.runner
-        cfg = llm.model_config
         bs = llm.config.block_size
         ctx = 512
         weight_bytes = sum(int(np.prod(p.shape)) * 2 for p in runner.model.parameters())
-        kv_per_token = 2 * cfg.num_hidden_layers * runner.tp.num_kv_heads * cfg.head_dim * 2
+        kv_per_token = runner.bytes_per_block // bs
         rng = np.random.default_rng(0)
         out = {}
         for b in (1, 8, 16, 64, 256):
@@ -1372,13 +1371,6 @@ def decode_fit(steps, kv_bytes_per_token: int) -> dict:
             "fixed_s": round(fixed * len(rows), 3), "rows_s": round(per_row * float(a[:, 1].sum()), 3),
             "kv_s": round(per_kv * float(a[:, 2].sum()), 3),
             "residual_rms_ms": round(float(np.sqrt(np.mean((fit - y) ** 2))) * 1e3, 4)}
-
-
-def kv_bytes_per_token(llm) -> int:
-    """Bytes of K and V one token holds in the cache over all layers (the model's own dtype or FP8's byte)."""
-    cfg = llm.runner.model.config
-    elem = 1 if llm.config.kv_cache_dtype == "fp8" else (4 if str(llm.runner.dtype) == "float32" else 2)
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
 def section_breakdown():
@@ -2026,7 +2018,6 @@ def section_step_times():
                                                                                           else 256)
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ids]
-    kv_bytes = 0
 
     def engine(async_scheduling: bool):
         if name == "qwen3_06b":
@@ -2034,9 +2025,9 @@ def section_step_times():
         return full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling)
 
     def job(async_scheduling: bool):
-        nonlocal kv_bytes
         llm = engine(async_scheduling)
-        kv_bytes = kv_bytes_per_token(llm)
+        # K and V of one token over every layer, as the runner sizes the cache (FP8: its scales too)
+        kv_bytes = llm.runner.bytes_per_block // llm.config.block_size
         try:
             warm_up(llm)
             # synchronous: every step timed with its GPU work; async: the wall time only
