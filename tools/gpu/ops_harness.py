@@ -1801,6 +1801,7 @@ if not ARGS.no_bench:
                ("attention_decode_fp8", lambda: bench_attn_decode(fp8=True)),
                # rows of protocol-like lengths (100-2,048 keys): what the decode graphs of the protocol meet
                ("attention_decode_mixed", lambda: bench_attn_decode((64, 128, 256), ctxs=("mixed",))),
+               ("attention_decode_fp8_mixed", lambda: bench_attn_decode((64, 128, 256), ctxs=("mixed",), fp8=True)),
                # the length rule's target (FDLITE_DECODE_SPLIT_KEYS; 0 = every row the shapes' split count)
                ("attention_decode_split_keys", lambda: bench_attn_decode((1, 64, 128, 256), ctxs=(512, 2048, "mixed"),
                                                                          split_keys=(0, 256, 512, 1024))),
