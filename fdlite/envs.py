@@ -113,7 +113,8 @@ VARIABLES: dict[str, Var] = {
                              "load).", _flag),
     "FDLITE_DECODE_SPLIT_KEYS": Var("512", "GPU decode attention in decode-only steps: a row longer than this many keys "
                                     "gets ceil(keys / this) KV splits, up to 4 (at least the count the shapes "
-                                    "give), so long rows do not form the tail; 0 = the shapes' count for every row "
+                                    "give), so long rows do not form the tail; over an FP8 cache twice this many keys "
+                                    "(the same bytes a split); 0 = the shapes' count for every row "
                                     "(0 or a multiple of 64 up to 4096; for side-by-side measurements; passed to the "
                                     "library at load).", _int),
     "FDLITE_CUDAGRAPH_BACKEND": Var("", "`eager` replaces CUDA graph capture by fdlite's eager-replay stand-in "

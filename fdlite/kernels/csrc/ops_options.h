@@ -20,8 +20,8 @@ struct Options {
   // mma.sync one (ops_attention.cu, decode_on_mma; for side-by-side measurements).
   bool decode_mma = true;
   // FDLITE_DECODE_SPLIT_KEYS: in decode-only steps a row of more keys than this gets ceil(keys / this) KV splits, up
-  // to kMaxRowSplits (ops_attention.cu, decode_split); 0 = the shape rule's count for every row. 0 or a multiple of
-  // 64 up to 4096.
+  // to kMaxRowSplits (ops_attention.cu, decode_split); twice this over FP8 caches (the same bytes a split); 0 = the
+  // shape rule's count for every row. 0 or a multiple of 64 up to 4096.
   int decode_split_keys = 512;
 };
 
