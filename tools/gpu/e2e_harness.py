@@ -1334,6 +1334,51 @@ def timed_steps(runner, sync=None):
         runner.execute = inner
 
 
+@contextlib.contextmanager
+def evented_steps(runner):
+    """Inside: every `runner.execute` call bracketed by two of our cudaEvents on Paddle's current stream, no sync; the
+    yielded dict gets, once the block ends, the GPU's view of the job: `busy_ms` (first event to second, summed: the
+    step's work, or the host's issuing of it when that is slower) and `gap_ms` (a step's second event to the next
+    one's first: time the GPU sat idle waiting for the host to start the next step), by step kind."""
+    from fdlite.kernels import gpu as gpu_ops  # noqa: PLC0415
+
+    capi, inner, marks, res = gpu_ops.capi(), runner.execute, [], {}
+
+    def evented(step):
+        e0, e1 = capi.fdl_event_create(), capi.fdl_event_create()
+        stream = gpu_ops.current_stream_handle()
+        capi.fdl_event_record(e0, stream)
+        out = inner(step)
+        capi.fdl_event_record(e1, stream)
+        marks.append((step.flat.num_tokens, step.flat.num_decodes, e0, e1))
+        return out
+
+    runner.execute = evented
+    try:
+        yield res
+    finally:
+        runner.execute = inner
+        if marks:
+            capi.fdl_event_synchronize(marks[-1][3])
+            kinds: dict = {}
+            for i, (tokens, decodes, e0, e1) in enumerate(marks):
+                key = "with prefill tokens" if tokens > decodes else ("decode <= 16" if decodes <= 16 else
+                                                                     "decode <= 128" if decodes <= 128 else "decode > 128")
+                k = kinds.setdefault(key, {"steps": 0, "busy_ms": 0.0, "gap_ms": 0.0, "gaps_over_50us": 0})
+                k["steps"] += 1
+                k["busy_ms"] += capi.fdl_event_elapsed_ms(e0, e1)
+                if i + 1 < len(marks):
+                    gap = capi.fdl_event_elapsed_ms(e1, marks[i + 1][2])
+                    k["gap_ms"] += gap
+                    k["gaps_over_50us"] += gap > 0.05
+            for e in (e for m in marks for e in m[2:]):
+                capi.fdl_event_destroy(e)
+            res.update({"busy_ms": round(sum(k["busy_ms"] for k in kinds.values()), 1),
+                        "gap_ms": round(sum(k["gap_ms"] for k in kinds.values()), 1),
+                        "by_kind": {key: {kk: round(v, 1) if isinstance(v, float) else v for kk, v in k.items()}
+                                    for key, k in sorted(kinds.items())}})
+
+
 def steps_by_kind(steps, wall: float) -> dict:
     """(tokens, decodes, seconds, ...) per step -> per kind (steps with prefill tokens; decode-only steps by batch
     size): count, seconds, share of `wall`, ms a step, tokens and output tokens."""
@@ -2024,21 +2069,29 @@ def section_step_times():
             return dense_llm(async_scheduling=async_scheduling)
         return full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling)
 
-    def job(async_scheduling: bool):
+    def job(async_scheduling: bool, events: bool = False):
         llm = engine(async_scheduling)
         # K and V of one token over every layer, as the runner sizes the cache (FP8: its scales too)
         kv_bytes = llm.runner.bytes_per_block // llm.config.block_size
+        gpu_view: dict = {}
         try:
             warm_up(llm)
-            # synchronous: every step timed with its GPU work; async: the wall time only
-            with timed_steps(llm.runner, sync) if not async_scheduling else contextlib.nullcontext([]) as steps:
+            # synchronous: every step timed with its GPU work; async: the wall time only, or (events) the GPU's
+            # busy and idle time between steps
+            if events:
+                timing = evented_steps(llm.runner)
+            else:
+                timing = timed_steps(llm.runner, sync) if not async_scheduling else contextlib.nullcontext([])
+            with timing as steps:
                 t = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 wall = time.perf_counter() - t
+            if events:
+                gpu_view, steps = steps, []
         finally:
             llm.close()
             gc.collect()
-        out = {"generate_s": round(wall, 3)}
+        out = {"generate_s": round(wall, 3), **({"gpu_view": gpu_view} if gpu_view else {})}
         if steps:
             out.update({"execute_s": round(sum(s[2] for s in steps), 3), "steps": len(steps),
                         "by_kind": steps_by_kind(steps, wall), "decode_fit": decode_fit(steps, kv_bytes),
@@ -2051,6 +2104,8 @@ def section_step_times():
         return out
 
     run(f"async_{job_name}_{name}", lambda: job(True))
+    if FDL_DEVICE == "gpu":
+        run(f"async_events_{job_name}_{name}", lambda: job(True, events=True))
     run(f"sync_timed_{job_name}_{name}", lambda: job(False))
 
 
