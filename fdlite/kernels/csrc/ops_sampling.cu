@@ -99,8 +99,6 @@ struct Shared {
   uint64_t above, target;
   uint32_t prefix, ncand;
   int bin;
-  float fv[32];
-  int fi[32];
   float f0;
   int i0;
 };
