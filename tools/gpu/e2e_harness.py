@@ -1362,8 +1362,8 @@ def evented_steps(runner):
             capi.fdl_event_synchronize(marks[-1][3])
             kinds: dict = {}
             for i, (tokens, decodes, e0, e1) in enumerate(marks):
-                key = "with prefill tokens" if tokens > decodes else ("decode <= 16" if decodes <= 16 else
-                                                                     "decode <= 128" if decodes <= 128 else "decode > 128")
+                key = ("with prefill tokens" if tokens > decodes else "decode <= 16" if decodes <= 16
+                       else "decode <= 128" if decodes <= 128 else "decode > 128")
                 k = kinds.setdefault(key, {"steps": 0, "busy_ms": 0.0, "gap_ms": 0.0, "gaps_over_50us": 0})
                 k["steps"] += 1
                 k["busy_ms"] += capi.fdl_event_elapsed_ms(e0, e1)

@@ -1805,9 +1805,11 @@ if not ARGS.no_bench:
                # the length rule's target (FDLITE_DECODE_SPLIT_KEYS; 0 = every row the shapes' split count)
                ("attention_decode_split_keys", lambda: bench_attn_decode((1, 64, 128, 256), ctxs=(512, 2048, "mixed"),
                                                                          split_keys=(0, 256, 512, 1024))),
-               # the same over FP8 caches (half the bytes a key: a split of as many keys is half the work)
-               ("attention_decode_fp8_split_keys", lambda: bench_attn_decode((1, 64, 128, 256), ctxs=(512, 2048, "mixed"),
-                                                                             split_keys=(0, 512, 1024, 2048), fp8=True)),
+               # the same over FP8 caches, where a split holds twice the option's keys (the same bytes as a bf16
+               # cache's): 0 / 512 / 1,024 / 2,048 keys
+               ("attention_decode_fp8_split_keys",
+                lambda: bench_attn_decode((1, 64, 128, 256), ctxs=(512, 2048, "mixed"), split_keys=(0, 256, 512, 1024),
+                                          fp8=True)),
                # GQA groups of 2, 4 and 8 query heads per KV head (Qwen3-0.6B, Llama-3.1-8B, Qwen3-30B-A3B layers):
                # the CUDA-core per-token kernel's work per KV byte grows with the group; the tensor-core one
                # (the default) beside it
