@@ -1362,8 +1362,7 @@ def evented_steps(runner):
             capi.fdl_event_synchronize(marks[-1][3])
             kinds: dict = {}
             for i, (tokens, decodes, e0, e1) in enumerate(marks):
-                key = ("with prefill tokens" if tokens > decodes else "decode <= 16" if decodes <= 16
-                       else "decode <= 128" if decodes <= 128 else "decode > 128")
+                key = step_kind(tokens, decodes, (16, 128))
                 k = kinds.setdefault(key, {"steps": 0, "busy_ms": 0.0, "gap_ms": 0.0, "gaps_over_50us": 0})
                 k["steps"] += 1
                 k["busy_ms"] += capi.fdl_event_elapsed_ms(e0, e1)
@@ -1379,16 +1378,20 @@ def evented_steps(runner):
                                     for key, k in sorted(kinds.items())}})
 
 
+def step_kind(tokens: int, decodes: int, bounds=(4, 16, 64, 128, 192, 256, 10**9)) -> str:
+    """A step's kind: "with prefill tokens", else "decode <= b" for the first bound b its rows fit, or "decode >
+    bounds[-1]" past them all."""
+    if tokens > decodes:
+        return "with prefill tokens"
+    return next((f"decode <= {b}" for b in bounds if decodes <= b), f"decode > {bounds[-1]}")
+
+
 def steps_by_kind(steps, wall: float) -> dict:
     """(tokens, decodes, seconds, ...) per step -> per kind (steps with prefill tokens; decode-only steps by batch
     size): count, seconds, share of `wall`, ms a step, tokens and output tokens."""
     kinds: dict[str, list] = {}
     for tokens, decodes, sec, *_ in steps:
-        if tokens > decodes:
-            key = "with prefill tokens"
-        else:
-            key = next(f"decode <= {b}" for b in (4, 16, 64, 128, 192, 256, 10**9) if decodes <= b)
-        k = kinds.setdefault(key, [0, 0.0, 0, 0])
+        k = kinds.setdefault(step_kind(tokens, decodes), [0, 0.0, 0, 0])
         k[0] += 1
         k[1] += sec
         k[2] += tokens
