@@ -687,8 +687,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "step-times-kinds-swapped",
         "The step-time breakdown (step_times, breakdown) files decode-only steps under steps with prefill tokens",
-        (Edit("tools/gpu/e2e_harness.py", '        if tokens > decodes:\n            key = "with prefill tokens"',
-              '        if tokens >= decodes:  # MUTATION\n            key = "with prefill tokens"'),),
+        (Edit("tools/gpu/e2e_harness.py", '    if tokens > decodes:\n        return "with prefill tokens"',
+              '    if tokens >= decodes:  # MUTATION\n        return "with prefill tokens"'),),
         ("tests/test_moe_bench_tools.py::test_step_times_section_runs_quick_on_cpu",),
         "new",
     ),
