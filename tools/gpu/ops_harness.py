@@ -1123,6 +1123,9 @@ log("\n=== (f) LM-head logits, argmax, sampling")
 poison()
 
 
+SAMPLE_CHUNK = 8192  # ops_sampling.cu's kChunk: the vocabulary entries a chunk block reads (edge cases below)
+
+
 def t_argmax(S, V):
     def f():
         x = rng.standard_normal((S, V)).astype(np.float32)
@@ -1130,8 +1133,8 @@ def t_argmax(S, V):
         x[4, :] = -np.inf
         x[5, 7] = np.nan
         x[5, 9] = 60.0
-        x[6, V - 1] = x[6, V // 2] = 70.0  # ties in different chunks of 8,192 entries
-        x[7, min(8191, V - 2)] = x[7, min(8192, V - 1)] = 80.0  # either side of the first chunk edge
+        x[6, V - 1] = x[6, V // 2] = 70.0  # ties in different chunks
+        x[7, min(SAMPLE_CHUNK - 1, V - 2)] = x[7, min(SAMPLE_CHUNK, V - 1)] = 80.0  # either side of the first chunk edge
         got = to_np(G.argmax(to_gpu(x, "float32")))
         ref = np.argmax(np.where(np.isnan(x), -np.inf, x), axis=1)
         ok = np.array_equal(got, ref)
@@ -1140,7 +1143,7 @@ def t_argmax(S, V):
 
 
 check("argmax [33,151936] float32", t_argmax(33, 151936))
-check("argmax [9,24581] float32 (V % 4 != 0: single-float loads; a short last chunk)", t_argmax(9, 3 * 8192 + 5))
+check("argmax [9,24581] float32 (V % 4 != 0: single-float loads; a short last chunk)", t_argmax(9, 3 * SAMPLE_CHUNK + 5))
 check("argmax [9,1000] float32 (one chunk, mostly past the row's end)", t_argmax(9, 1000))
 
 
@@ -1194,7 +1197,7 @@ check("sample [64,1000] flat logits (many ties)", t_sample(64, 1000, peaky=0.01)
 check("sample [256,151936] temperature / min-p rows only (chunk masses) vs numpy reference",
       t_sample(256, 151936, plain=True))
 check("sample [64,24581] temperature / min-p rows only, V % 4 != 0 (single-float loads)",
-      t_sample(64, 3 * 8192 + 5, peaky=0.3, plain=True))
+      t_sample(64, 3 * SAMPLE_CHUNK + 5, peaky=0.3, plain=True))
 
 
 # ------------------------------------------------------------------ logits processors (ops_logits.cu)

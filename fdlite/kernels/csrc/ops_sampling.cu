@@ -61,6 +61,9 @@ __device__ __forceinline__ uint64_t weight(float x, float mx) {
   return (uint64_t)__float2ull_rn(expf(x - mx) * kWeightScale);
 }
 
+// The min-p cut in x = logits / temperature units: x >= max x + log(min_p) survives; -inf (keep all) when off.
+__device__ __forceinline__ float min_p_threshold(float mx, float mp) { return mp > 0.f ? mx + logf(mp) : -CUDART_INF_F; }
+
 // Block-wide inclusive scan of uint64 (NT threads). `tmp` holds 32 values of shared memory.
 __device__ uint64_t block_scan(uint64_t v, uint64_t* tmp) {
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -260,7 +263,7 @@ __global__ void __launch_bounds__(kCT) chunk_mass_kernel(uint64_t* __restrict__ 
   if (filtered_row(top_k, top_p, s, V)) return;
   const float mx = best.v / temp;
   const float mp = min_p[s];
-  const float thr = mp > 0.f ? mx + logf(mp) : -CUDART_INF_F;
+  const float thr = min_p_threshold(mx, mp);
   float x[kPerT];
   load_chunk<VEC>(logits + s * (int64_t)V, c, V, x);
   uint64_t sum = 0;
@@ -476,7 +479,7 @@ __global__ void __launch_bounds__(NT) sample_kernel(int64_t* __restrict__ out, c
   const float mx = best_v / temp;  // division is monotone: max(x / t) == max(x) / t
   const float mp = min_p[s];
   if (!filtered_row(top_k, top_p, s, V)) {
-    draw_from_chunks(out + s, mass + s * P, row, V, P, temp, mx, mp > 0.f ? mx + logf(mp) : -CUDART_INF_F,
+    draw_from_chunks(out + s, mass + s * P, row, V, P, temp, mx, min_p_threshold(mx, mp),
                      (uint64_t)seeds[s], (uint64_t)positions[s], best_i, sh);
     return;
   }
@@ -486,7 +489,7 @@ __global__ void __launch_bounds__(NT) sample_kernel(int64_t* __restrict__ out, c
   if (k > 0 && k < V) thr = select_desc(row, V, temp, mx, -CUDART_INF_F, false, (uint64_t)k, 0.f, sh);
   const float p = top_p[s];
   if (p < 1.f) thr = fmaxf(thr, select_desc(row, V, temp, mx, thr, true, 0, p, sh));
-  if (mp > 0.f) thr = fmaxf(thr, mx + logf(mp));
+  if (mp > 0.f) thr = fmaxf(thr, min_p_threshold(mx, mp));
 
   // Inverse CDF in vocabulary order. Warp w sums its chunk; one warp then walks the chunk holding the target.
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -584,12 +587,8 @@ RowPasses chunk_maxima(const paddle::Tensor& logits, int64_t S, int V, cudaStrea
   PD_CHECK(S * P < ((int64_t)1 << 31), op, ": too many rows for one launch");
   RowPasses r{paddle::empty({2 * S * P}, paddle::DataType::INT64, logits.place()), P,
               V % 4 == 0 && aligned16(logits.data())};
-  if (r.vec)
-    launch("chunk_max_kernel", chunk_max_kernel<4>, (unsigned)(S * P), kCT, 0, st, pdl_rows(S), r.part(),
-           logits.data<float>(), V, P);
-  else
-    launch("chunk_max_kernel", chunk_max_kernel<1>, (unsigned)(S * P), kCT, 0, st, pdl_rows(S), r.part(),
-           logits.data<float>(), V, P);
+  launch("chunk_max_kernel", r.vec ? chunk_max_kernel<4> : chunk_max_kernel<1>, (unsigned)(S * P), kCT, 0, st,
+         pdl_rows(S), r.part(), logits.data<float>(), V, P);
   FDL_CHECK_LAUNCH(op);
   return r;
 }
@@ -643,12 +642,8 @@ std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::T
     const float* tp = temperature.data<float>();
     const int* tk = top_k.data<int>();
     const float *pp = top_p.data<float>(), *mp = min_p.data<float>();
-    if (r.vec)
-      launch("chunk_mass_kernel", chunk_mass_kernel<4>, (unsigned)(S * r.P), kCT, 0, st, pdl_rows(S), r.mass(S),
-             out.data<int64_t>(), r.part(), logits.data<float>(), V, r.P, tp, tk, pp, mp);
-    else
-      launch("chunk_mass_kernel", chunk_mass_kernel<1>, (unsigned)(S * r.P), kCT, 0, st, pdl_rows(S), r.mass(S),
-             out.data<int64_t>(), r.part(), logits.data<float>(), V, r.P, tp, tk, pp, mp);
+    launch("chunk_mass_kernel", r.vec ? chunk_mass_kernel<4> : chunk_mass_kernel<1>, (unsigned)(S * r.P), kCT, 0, st,
+           pdl_rows(S), r.mass(S), out.data<int64_t>(), r.part(), logits.data<float>(), V, r.P, tp, tk, pp, mp);
     launch("sample_kernel", sample_kernel, (unsigned)S, NT, 0, st, pdl_rows(S), out.data<int64_t>(), r.part(),
            r.mass(S), logits.data<float>(), V, r.P, tp, tk, pp, mp, seeds.data<int64_t>(),
            positions.data<int64_t>());
