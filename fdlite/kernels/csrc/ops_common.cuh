@@ -157,7 +157,9 @@ inline bool& last_launch_ours() {
 // Whether an op on `rows` tokens launches with PDL: only decode batches of at most 4, where every kernel of
 // the step is ours (the GEMV replaces cuBLAS) and each is a few microseconds. Measured on the H100 (docs/
 // benchmarks.md, round 14): PDL takes the batch-1 graph body from 1.06 to 0.92 ms, but at batch 16-64 the
-// decode-attention kernel launched early made the body 0.2-0.25 ms slower, and at 256 it changed nothing.
+// decode-attention kernel launched early made the body 0.2-0.25 ms slower, and at 256 it changed nothing. Again on
+// 11-27 (every op at any batch, after cuBLASLt too, with or without the decode attention): bodies within 1%, the
+// protocol 0.5% slower.
 constexpr int64_t kPdlMaxRows = 4;
 inline bool pdl_rows(int64_t rows) { return rows <= kPdlMaxRows; }
 
