@@ -973,10 +973,12 @@ def fp8_caches(b):
     return caches
 
 
-def t_attn_fp8(rows, h=16, kvh=8, d=128, bs=64, dt="bfloat16", splits=0, max_q_len=0):
-    """Attention over FP8 caches (`fp8_caches`); the reference reads them back as value x scale."""
+def t_attn_fp8(rows, h=16, kvh=8, d=128, bs=64, dt="bfloat16", splits=0, max_q_len=0, v_mag=1.0):
+    """Attention over FP8 caches (`fp8_caches`); the reference reads them back as value x scale. v_mag scales V
+    before it is quantized (its scales with it: amax / 448)."""
     def f():
         b = Batch(rows, h, kvh, d, bs, dt)
+        b.v_np = (b.v_np * np.float32(v_mag)).astype(np.float32)
         caches = fp8_caches(b)
         scale_ = d ** -0.5
         ins = b.inputs()
@@ -1003,6 +1005,14 @@ decode_kernel_checks("paged_attention_fp8", t_attn_fp8, decode_rows)
 check("paged_attention_fp8 decode-only step, block size 12, CUDA-core kernel",
       with_options(t_attn_fp8(edge_decodes, bs=12, max_q_len=1), decode_mma=False))
 check("paged_attention_fp8 mixed splits=3 max_q_len=64 bf16", t_attn_fp8(mixed_rows, splits=3, max_q_len=64))
+# Small V (scales ~1e-4): P x V scale is far below fp16's normal range, where the tensor-core kernel once folded
+# the V scale into P; both kernels, long rows, bf16 / fp16 queries
+for dt in ("bfloat16", "float16"):
+    for vm in (0.05, 0.005):
+        check(f"paged_attention_fp8 tensor-core decode {dt} small V (x{vm}) long rows",
+              t_attn_fp8(long_decodes, dt=dt, max_q_len=1, v_mag=vm))
+        check(f"paged_attention_fp8 CUDA-core decode {dt} small V (x{vm}) long rows",
+              with_options(t_attn_fp8(long_decodes, dt=dt, max_q_len=1, v_mag=vm), decode_mma=False))
 check("paged_attention_fp8 compact grid: long decode rows split + prefill + empty rows, 32/4 heads",
       t_attn_fp8(long_decodes + [(300, 500)] + [(0, 0)] * 20, h=32, kvh=4))
 

@@ -24,7 +24,9 @@
 // key's row, Q's fragment holding the same 4 columns (the dot product sums over d, so any order of d serves); P V's
 // V fragment from two keys' rows at D / 8 consecutive columns, which makes O's columns a permutation (d = D / 8 x
 // column + tile) put back when O goes to shared memory. A key's score is multiplied by its K scale and its
-// probability by its V scale, as the CUDA-core kernel does.
+// probability by its V scale times 2^8, O by 2^-8 when it leaves the registers (exact): V scales are amax / 448, so
+// P x scale alone sat in fp16's subnormal range for V of magnitude below ~1 (a few significant bits a key). The
+// product is clamped to fp16's largest value, which only V of amax above ~114,000 reaches.
 #pragma once
 
 #include "mma_sync.cuh"
@@ -156,6 +158,9 @@ __device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t two) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xffffu), __NV_E4M3);
   return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
+
+// FP8 caches: P times the V scale is formed as P x (scale x 2^8) in fp16, O taken back by 2^-8 (the header).
+constexpr float kVScaleUp = 256.f;
 
 // Q's A fragments of this lane for every k16 step: qf[kk] = {rows r (, r + 8)} at columns (2q, 2q + 1) then at
 // (2q + 8, 2q + 9), r = lane / 4, q = lane % 4; rows past g are zero. FP8: the columns are the permuted ones the K
@@ -316,8 +321,8 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
     float vs0 = 1.f, vs1 = 1.f;
     if constexpr (L::F8) {
       const float2 vs = *reinterpret_cast<const float2*>(st + L::SC_OFF + 4 * L::WK + 8 * qd);
-      vs0 = vs.x;
-      vs1 = vs.y;
+      vs0 = fminf(vs.x * kVScaleUp, 65504.f);
+      vs1 = fminf(vs.y * kVScaleUp, 65504.f);
     }
 #pragma unroll
     for (int hf = 0; hf < R; ++hf) {
@@ -380,9 +385,9 @@ __global__ void __launch_bounds__(NT, 4) attn_decode_mma_kernel(Args a) {
     float* orow = ow + (warp * L::ROWS + row) * L::OROW;
 #pragma unroll
     for (int n = 0; n < NTD; ++n) {
-      if constexpr (L::F8) {
-        orow[(D / 8) * (2 * qd) + n] = o[n][2 * hf];
-        orow[(D / 8) * (2 * qd + 1) + n] = o[n][2 * hf + 1];
+      if constexpr (L::F8) {  // undo the 2^8 of P's V scale (exact)
+        orow[(D / 8) * (2 * qd) + n] = o[n][2 * hf] * (1.f / kVScaleUp);
+        orow[(D / 8) * (2 * qd + 1) + n] = o[n][2 * hf + 1] * (1.f / kVScaleUp);
       } else {
         *reinterpret_cast<float2*>(orow + n * 8 + 2 * qd) = make_float2(o[n][2 * hf], o[n][2 * hf + 1]);
       }
