@@ -1005,8 +1005,10 @@ decode_kernel_checks("paged_attention_fp8", t_attn_fp8, decode_rows)
 check("paged_attention_fp8 decode-only step, block size 12, CUDA-core kernel",
       with_options(t_attn_fp8(edge_decodes, bs=12, max_q_len=1), decode_mma=False))
 check("paged_attention_fp8 mixed splits=3 max_q_len=64 bf16", t_attn_fp8(mixed_rows, splits=3, max_q_len=64))
-# Small V (scales ~1e-4): P x V scale is far below fp16's normal range, where the tensor-core kernel once folded
-# the V scale into P; both kernels, long rows, bf16 / fp16 queries
+# Small V (scales ~1e-5 - 1e-4), long rows, both decode kernels, bf16 / fp16 queries: P x V scale alone falls below
+# fp16's normal range (the tensor-core kernel forms P x (scale x 2^8)). The error gained is in docs/benchmarks.md
+# ("Small V over FP8 caches"): the form before passed these too (the tolerance is relative to the largest output),
+# so they guard the path, not the gain.
 for dt in ("bfloat16", "float16"):
     for vm in (0.05, 0.005):
         check(f"paged_attention_fp8 tensor-core decode {dt} small V (x{vm}) long rows",
