@@ -2045,7 +2045,8 @@ def full_size_llm(name: str, **options):
 def section_step_times():
     """Where a job's wall time goes, without a profiler (the lent machines have none that sees inside graphs): a job
     (FDLITE_STEP_TIMES_JOB: prefill_heavy, the default, or protocol) on FDLITE_PROFILE_MODEL (a MOE_BENCH_SHAPES
-    name with random weights, or qwen3_06b as section_throughput builds it; `shape_name`) with graphs, run twice: async
+    name with random weights, or qwen3_06b as section_throughput builds it; `shape_name`) with graphs and the KV cache
+    FDLITE_STEP_TIMES_KV (`kv_cache_dtype`: auto, the default, or fp8), run twice: async
     scheduling (the default: its generate wall time), then synchronous with each `ModelRunner.execute` bracketed by
     device syncs, so its time is the step's GPU time plus the host work that issues it. Their difference is host
     time the GPU waits for; the step times by kind (`steps_by_kind`, as section_breakdown's) say which steps cost
@@ -2058,6 +2059,7 @@ def section_step_times():
     sync = ctypes.CDLL("libcuda.so.1").cuCtxSynchronize if FDL_DEVICE == "gpu" else None
     name = shape_name(os.environ.get("FDLITE_PROFILE_MODEL", "qwen3_30b_a3b"), also=("qwen3_06b",))
     job_name = os.environ.get("FDLITE_STEP_TIMES_JOB", "prefill_heavy")
+    kv = os.environ.get("FDLITE_STEP_TIMES_KV", "auto")
     if job_name == "protocol":
         ids, outs = protocol(n=8, max_in=200, max_out=120) if ARGS.quick else protocol()
         params = protocol_params(outs)
@@ -2069,8 +2071,8 @@ def section_step_times():
 
     def engine(async_scheduling: bool):
         if name == "qwen3_06b":
-            return dense_llm(async_scheduling=async_scheduling)
-        return full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling)
+            return dense_llm(async_scheduling=async_scheduling, kv_cache_dtype=kv)
+        return full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling, kv_cache_dtype=kv)
 
     def job(async_scheduling: bool, events: bool = False):
         llm = engine(async_scheduling)
@@ -2106,10 +2108,11 @@ def section_step_times():
                         "steps_raw": [[t, d, round(sec * 1e6), kv] for t, d, sec, kv in steps]})
         return out
 
-    run(f"async_{job_name}_{name}", lambda: job(True))
+    tag = f"{job_name}_{name}" + ("" if kv == "auto" else f"_kv_{kv}")
+    run(f"async_{tag}", lambda: job(True))
     if FDL_DEVICE == "gpu":
-        run(f"async_events_{job_name}_{name}", lambda: job(True, events=True))
-    run(f"sync_timed_{job_name}_{name}", lambda: job(False))
+        run(f"async_events_{tag}", lambda: job(True, events=True))
+    run(f"sync_timed_{tag}", lambda: job(False))
 
 
 def section_moe_bench():
