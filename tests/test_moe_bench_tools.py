@@ -73,15 +73,19 @@ def test_harness_section_runs_quick_on_cpu(tmp_path):
         assert prefill["roofline"]["flop_roofline_s"] > 0 and prefill["output_tokens"] == 8 * prefill["requests"]
 
 
-@pytest.mark.parametrize("job", ["prefill_heavy", "protocol"])
-def test_step_times_section_runs_quick_on_cpu(tmp_path, job):
+@pytest.mark.parametrize("job,kv", [("prefill_heavy", None), ("protocol", None), ("protocol", "fp8")])
+def test_step_times_section_runs_quick_on_cpu(tmp_path, job, kv):
     """e2e_harness.py's `step_times`: the job async (wall time only), then with every step timed; the timed steps are
-    all of the job's steps, grouped by kind, and their sum fits in the job's wall time."""
+    all of the job's steps, grouped by kind, and their sum fits in the job's wall time. FDLITE_STEP_TIMES_KV=fp8: the
+    same over an FP8 KV cache, its results named for it."""
     # the shape by its full name, or by a word only it holds (moe_bench's --cases form)
+    env = {"FDLITE_STEP_TIMES_KV": kv} if kv else {}
     res = run_section_quick_on_cpu(tmp_path, "step_times", FDLITE_STEP_TIMES_JOB=job,
-                                   FDLITE_PROFILE_MODEL="qwen3_4b_dense" if job == "protocol" else "qwen3_4b")
-    timed = res["results"][f"sync_timed_{job}_qwen3_4b_dense"]
-    assert res["results"][f"async_{job}_qwen3_4b_dense"]["generate_s"] > 0
+                                   FDLITE_PROFILE_MODEL="qwen3_4b_dense" if job == "protocol" else "qwen3_4b", **env)
+    tag = f"{job}_qwen3_4b_dense" + (f"_kv_{kv}" if kv else "")
+    assert sorted(res["results"]) == sorted(f"{p}_{tag}" for p in ("async", "sync_timed"))
+    timed = res["results"][f"sync_timed_{tag}"]
+    assert res["results"][f"async_{tag}"]["generate_s"] > 0
     kinds = timed["by_kind"]
     assert sum(k["steps"] for k in kinds.values()) == timed["steps"] > 1
     assert 0 < timed["execute_s"] <= timed["generate_s"]

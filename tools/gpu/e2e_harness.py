@@ -1565,6 +1565,29 @@ def section_fp8():
                 llm.close()
         case(f"protocol_kv_{kv}", bench)
 
+    def prefill_heavy(kv, attn_mma=True):
+        """Issue 25's prefill-heavy job (1,024 prompts of 1,024-2,040 tokens, 8 output tokens) with either cache; FP8
+        also on the mma.sync tile kernel (attn_mma=1, its own engine: graphs keep their kernels)."""
+        prompts = prefill_heavy_prompts(1024 if not ARGS.quick else 16)
+        set_kernels(attn_mma=attn_mma)
+        try:
+            llm = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
+                      max_num_batched_tokens=8192, kv_cache_dtype=kv)
+            try:
+                warm_up(llm)
+                t = time.time()
+                res = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+                sec = time.time() - t
+            finally:
+                llm.close()
+        finally:
+            set_kernels()
+        n = sum(map(len, prompts)) + sum(len(o.outputs[0].token_ids) for o in res)
+        return {"tokens": n, "seconds": round(sec, 2), "tokens_per_s": round(n / sec, 1)}
+    for kv, mode, tag in (("auto", True, ""), ("fp8", True, ""), ("fp8", 1, "_mma_sync")):
+        case(f"prefill_heavy_kv_{kv}{tag}", lambda kv=kv, mode=mode: prefill_heavy(kv, mode))
+
 
 # ---- sampling features at full speed (device-side logits processors) ---------------------------
 

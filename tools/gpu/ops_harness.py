@@ -996,6 +996,12 @@ for dt in ("bfloat16", "float16"):
     check(f"paged_attention_fp8 mixed decode+prefill {dt}", t_attn_fp8(mixed_rows, dt=dt))
     check(f"paged_attention_fp8 tensor-core tiles {dt} d64 bs16 12/4 heads", t_attn_fp8(mma_rows, h=12, kvh=4, d=64, bs=16, dt=dt))
     check(f"paged_attention_fp8 tensor-core tiles {dt} d128 bs64 32/4 heads", t_attn_fp8(mma_rows, h=32, kvh=4, dt=dt))
+    # the tiles above run on wgmma (the default on the H100); the mma.sync kernel keeps FP8 for FDLITE_ATTN_MMA=1
+    for d_, bs_, h_, kvh_ in ((64, 16, 12, 4), (128, 64, 32, 4)):
+        check(f"paged_attention_fp8 tensor-core tiles {dt} d{d_} bs{bs_} {h_}/{kvh_} heads, mma.sync kernel",
+              with_options(t_attn_fp8(mma_rows, h=h_, kvh=kvh_, d=d_, bs=bs_, dt=dt), attn_mma=1))
+check("paged_attention_fp8 tensor-core tiles bf16 d128 bs12 16/8 heads (a table entry per key)",
+      t_attn_fp8(mma_rows, bs=12))
 check("paged_attention_fp8 decode splits=5 bf16", t_attn_fp8(decode_rows, splits=5))
 for bs_ in (12, 16, 48, 64):  # a warp's 8 keys from one block-table entry (16, 48, 64) or one per key (12)
     check(f"paged_attention_fp8 decode-only step, block size {bs_}: rows across block edges, split and not",
@@ -1633,7 +1639,8 @@ if not ARGS.no_bench:
 
     def bench_attn_prefill():
         """Causal prefill attention, the three tile kernels side by side (FDLITE_ATTN_MMA=2 wgmma, 1 mma.sync, 0 CUDA
-        cores), in TFLOP/s of the causal FLOPs (4 h d per (query, visible key) pair)."""
+        cores), in TFLOP/s of the causal FLOPs (4 h d per (query, visible key) pair); batches of 1k-2k prompts also
+        over FP8 caches (the two tensor-core kernels)."""
         out = []
         cases = [("Qwen3-0.6B layer", 16, 8, 128, [(2048, 2048)]),
                  ("Qwen3-0.6B layer", 16, 8, 128, [(2048, 2048)] * 8),
@@ -1652,9 +1659,19 @@ if not ARGS.no_bench:
                     G.set_options(attn_mma=mode)
                     us = graph_time_us(lambda: G.paged_attention(*ins, d ** -0.5, 0, 0), per_graph=5, replays=5)
                     row[key] = {"us": round(us, 1), "TFLOP_s": round(flops / us / 1e6, 1)}
+                keys = ["wgmma", "mma_sync", "cuda_cores"]
+                if len(rows) > 1 and rows[0][0] >= 1024:  # the same over FP8 caches (tensor-core kernels only)
+                    kc8, vc8 = fp8_caches(b)
+                    for mode, key in ((2, "fp8_wgmma"), (1, "fp8_mma_sync")):
+                        G.set_options(attn_mma=mode)
+                        us = graph_time_us(lambda: G.paged_attention_fp8(ins[0], kc8, vc8, *ins[3:], d ** -0.5, 0, 0),
+                                           per_graph=5, replays=5)
+                        row[key] = {"us": round(us, 1), "TFLOP_s": round(flops / us / 1e6, 1)}
+                        keys.append(key)
+                    del kc8, vc8
                 out.append(row)
                 log(f"  prefill attn {name} {rows[0]}x{len(rows)}: " + "; ".join(
-                    f"{k} {row[k]['us']:9.1f} us {row[k]['TFLOP_s']:6.1f} TFLOP/s" for k in ("wgmma", "mma_sync", "cuda_cores")))
+                    f"{k} {row[k]['us']:9.1f} us {row[k]['TFLOP_s']:6.1f} TFLOP/s" for k in keys))
                 del b, ins
         finally:
             G.set_options()

@@ -1,7 +1,8 @@
-// Hopper tensor-core tile kernel of fdl_paged_attention (ops_attention.cu) for bf16 / fp16 at head_dim 64 / 128:
-// the prefill and chunked-prefill rows on `wgmma` (sm_90a), FlashAttention-3's instruction with fdlite's
-// paged, varlen tiles. Included by ops_attention.cu after attention_mma.cuh (the `mma.sync` kernel, which
-// FP8 caches and builds without sm_90a keep; FDLITE_ATTN_MMA=1 selects it for side-by-side runs).
+// Hopper tensor-core tile kernel of fdl_paged_attention (ops_attention.cu) for bf16 / fp16 at head_dim 64 / 128,
+// over model-dtype or FP8 (e4m3) caches: the prefill and chunked-prefill rows on `wgmma` (sm_90a),
+// FlashAttention-3's instruction with fdlite's paged, varlen tiles. Included by ops_attention.cu after
+// attention_mma.cuh (the `mma.sync` kernel, which builds without sm_90a keep; FDLITE_ATTN_MMA=1 selects it for
+// side-by-side runs).
 //
 // Why wgmma without TMA: TMA's tensor maps describe dense boxes, while a tile's rows are (token, query head)
 // pairs of a flat varlen batch and its keys come through a block table; cp.async gathers write the same
@@ -27,6 +28,13 @@
 //
 // A row's result depends only on its own query and keys: every row sees its keys in chunks from key 0 in the
 // same order whatever else shares its tile, and masked keys contribute exact zeros.
+//
+// FP8 caches (F8): the loader copies each chunk's e4m3 rows and their scales into a raw slot of its own (cp.async,
+// half a model-dtype chunk's bytes), and one chunk later widens them as value x scale into the model dtype (the
+// mma.sync kernel's widen_e4m3_rows, the same values) in the stage's swizzled layout, then marks the stage full: the
+// computing warpgroups run unchanged on model-dtype tiles. Each loader thread widens exactly the pieces (and reads
+// exactly the scales) it copied itself, so its own cp.async wait orders everything. Three stages and one chunk of lag
+// (the raw slots take the fourth stage's room).
 #pragma once
 
 #include "mma_sync.cuh"
@@ -35,15 +43,15 @@
 namespace fdl {
 namespace {
 
-template <int D>
+template <int D, bool F8 = false>
 struct WgTile {
   static constexpr int WG = 128;             // threads of a warpgroup
   static constexpr int CONSUMERS = 2;        // warpgroups computing, 64 query rows each; warpgroup 0 loads
   static constexpr int NTH = WG * (1 + CONSUMERS);
   static constexpr int BM = 64 * CONSUMERS;  // query rows per tile
   static constexpr int BN = 64;              // keys per chunk
-  static constexpr int STAGES = 4;           // chunks of K and V in shared memory
-  static constexpr int LAG = 2;              // chunks whose copies the loader keeps in flight before signalling
+  static constexpr int STAGES = F8 ? 3 : 4;  // chunks of K and V in shared memory
+  static constexpr int LAG = F8 ? 1 : 2;     // chunks whose copies the loader keeps in flight before signalling
   static constexpr int PANELS = D / 64;      // 64-column (128-byte) panels of a row
   static constexpr int VPR = D / 8;          // 16-byte pieces per row
   static constexpr int Q_PANEL = BM * 128;   // bytes of one panel of Q
@@ -58,9 +66,15 @@ struct WgTile {
   // LAG <= STAGES - 2
   static_assert(LAG <= STAGES - 2, "the stage hand-over would deadlock");
   static constexpr int ITEMS = 4;            // work items handed from the loader to the computing warpgroups
-  // Q x 2 | stages | mbarriers (full[STAGES], empty[STAGES], q_empty[2], item_full[ITEMS], item_empty[ITEMS]) |
-  // item ring (int[ITEMS]), + room to align the base to 1024
-  static constexpr size_t BAR_OFF = 2 * (size_t)Q_BYTES + (size_t)STAGES * STAGE;
+  // F8: a raw slot holds a chunk's e4m3 K and V rows and, per loader thread and piece, its key's K and V scale;
+  // LAG + 1 slots (a slot is copied into again once its chunk is widened)
+  static constexpr int RAW_SC = 2 * BN * D;  // the scales' offset in a raw slot
+  static constexpr int RAW = F8 ? RAW_SC + 2 * (BN * D / 16) * 4 : 0;
+  static constexpr int RAWS = F8 ? LAG + 1 : 0;
+  // Q x 2 | stages | raw slots | mbarriers (full[STAGES], empty[STAGES], q_empty[2], item_full[ITEMS],
+  // item_empty[ITEMS]) | item ring (int[ITEMS]), + room to align the base to 1024
+  static constexpr size_t RAW_OFF = 2 * (size_t)Q_BYTES + (size_t)STAGES * STAGE;
+  static constexpr size_t BAR_OFF = RAW_OFF + (size_t)RAWS * RAW;
   static constexpr int NBARS = 2 * STAGES + 2 + 2 * ITEMS;
   static constexpr size_t ITEM_OFF = BAR_OFF + NBARS * 8;
   static constexpr size_t bytes = ITEM_OFF + ITEMS * 4 + 1024;
@@ -131,6 +145,80 @@ struct WgChunkRows {
   }
 };
 
+// FP8 caches: a loader thread's pieces of a chunk. Thread tid copies piece tid % VPR8 (16 e4m3 bytes) of keys
+// tid / VPR8 + n KSTEP of K and of V into a raw slot, with those keys' scales (each thread its own copies: a key's
+// scale is copied by each of its VPR8 threads, 4 bytes each), and later widens the same pieces into the stage.
+template <int D>
+struct WgChunkRows8 {
+  using C = WgTile<D, true>;
+  static constexpr int VPR8 = D / 16;                // 16-byte pieces of an e4m3 row
+  static constexpr int KSTEP = C::WG / VPR8;         // keys between a thread's successive pieces
+  static constexpr int CPT = C::BN * VPR8 / C::WG;   // pieces per thread and chunk, of K and of V each
+  static_assert(KSTEP % 8 == 0, "the swizzle phase must repeat across a thread's pieces");
+  static_assert(C::RAW == C::RAW_SC + 2 * CPT * C::WG * 4, "raw slot: K, V, then a K and a V scale per piece");
+  int row[CPT];  // cache rows of the thread's keys, -1 past k_end (zeros: value 0, scale 0)
+
+  __device__ __forceinline__ void compute(int tid, const int* btab, int kvh, int j, int bs, int k0, int k_end) {
+#pragma unroll
+    for (int n = 0; n < CPT; ++n) {
+      const int kk = k0 + tid / VPR8 + n * KSTEP;
+      row[n] = kk < k_end ? cache_row(btab, kvh, j, bs, kk) : -1;
+    }
+  }
+
+  // Raw slot layout, thread-major so a warp's copies and reads are 512 consecutive bytes: K piece n of thread tid at
+  // (n WG + tid) 16, V's at + BN D, the scales at RAW_SC + (n WG + tid) 4 (K) and + CPT WG 4 more (V).
+  __device__ __forceinline__ void issue(int tid, uint8_t* raw, const uint8_t* kc, const uint8_t* vc, const float* ksc,
+                                        const float* vsc) const {
+    const int c = tid % VPR8;
+    float* sc = reinterpret_cast<float*>(raw + C::RAW_SC);
+#pragma unroll
+    for (int n = 0; n < CPT; ++n) {
+      const bool valid = row[n] >= 0;
+      const int64_t o = (int64_t)row[n] * D + c * 16;
+      const int at = n * C::WG + tid;
+      cp_async16(raw + at * 16, valid ? kc + o : kc, valid);
+      cp_async16(raw + C::BN * D + at * 16, valid ? vc + o : vc, valid);
+      cp_async4(sc + at, valid ? ksc + row[n] : ksc, valid);
+      cp_async4(sc + CPT * C::WG + at, valid ? vsc + row[n] : vsc, valid);
+    }
+    cp_async_commit();
+  }
+
+  // This thread's pieces of a landed raw slot, widened as value x scale into model-dtype pieces 2c and 2c + 1 of their
+  // keys' rows in the stage (K, then V at + KV_BYTES), swizzled as the model-dtype copies land.
+  template <typename T>
+  __device__ __forceinline__ static void widen(int tid, const uint8_t* raw, uint8_t* stage) {
+    const int kr0 = tid / VPR8, c = tid % VPR8;
+    const float* sc = reinterpret_cast<const float*>(raw + C::RAW_SC);
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+#pragma unroll
+      for (int n = 0; n < CPT; ++n) {
+        const int at = n * C::WG + tid, key = kr0 + n * KSTEP;
+        const uint4 w = *reinterpret_cast<const uint4*>(raw + kv * C::BN * D + at * 16);
+        const float f = sc[kv * CPT * C::WG + at];
+        const uint32_t wd[4] = {w.x, w.y, w.z, w.w};
+        uint32_t out[8];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const uint16_t lo = (uint16_t)(wd[u] & 0xffffu), hi = (uint16_t)(wd[u] >> 16);
+          const float2 a = cache_pair_to_f2<uint8_t>(reinterpret_cast<const uint8_t*>(&lo));
+          const float2 b = cache_pair_to_f2<uint8_t>(reinterpret_cast<const uint8_t*>(&hi));
+          out[2 * u] = pack2<T>(a.x * f, a.y * f);
+          out[2 * u + 1] = pack2<T>(b.x * f, b.y * f);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int pc = 2 * c + h;  // the model-dtype piece (8 elements) of the row
+          *reinterpret_cast<uint4*>(stage + kv * C::KV_BYTES + (pc >> 3) * C::KV_PANEL + sw128(key, pc & 7)) =
+              make_uint4(out[4 * h], out[4 * h + 1], out[4 * h + 2], out[4 * h + 3]);
+        }
+      }
+    }
+  }
+};
+
 // The block's pipeline position, carried across its tiles and segments: chunks handed through the stages so far
 // (chunk i uses stage i % STAGES; its barriers' phase is i / STAGES) and segments with keys so far (segment q
 // uses Q buffer q % 2, released through q_empty[q % 2] in phase q / 2).
@@ -145,10 +233,10 @@ struct WgPipe {
 // 1 and 2 each take 64 query rows, wait for a chunk, run S = Q K^T, the online softmax and O += P V on it and
 // mark its stage empty once their P V is done (every thread arrives: no divergent branch among the MMAs). The two computing warpgroups never wait for each other, so one's
 // softmax runs under the other's MMAs; the loader runs up to STAGES chunks ahead.
-template <typename T, int D>
+template <typename T, int D, bool F8>
 __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, int r, int64_t ts, int64_t te) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = WgTile<D>;
+  using C = WgTile<D, F8>;
   constexpr int BN = C::BN, S = C::STAGES, NKQ = D / 16, NKP = BN / 16;
   const int g = a.g;
   // the role is warp-uniform, and ptxas must see that: a wgmma after a branch it thinks divergent is serialized
@@ -180,18 +268,42 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
                  q + ((ts + tok) * a.h + (int64_t)j * g + hh) * D + c * 8, valid);
     }  // (committed with chunk 0: Q is complete when chunk 0 is)
     const int* btab = a.block_tables + (int64_t)r * a.max_blocks;
-    const T* kc = static_cast<const T*>(a.kc);
-    const T* vc = static_cast<const T*>(a.vc);
-    WgChunkRows<D> rows;
-    rows.compute(tid, btab, a.kvh, j, a.bs, 0, kv_end);
-    for (int c = 0; c < nchunks; ++c) {
-      const int i = it0 + c;
-      mbar_wait(empty0 + 8 * (i % S), ((i / S) & 1) ^ 1);  // chunk i - S released its stage
-      rows.issue(tid, stages + (i % S) * C::STAGE, kc, vc);
-      if (c + 1 < nchunks) rows.compute(tid, btab, a.kvh, j, a.bs, (c + 1) * BN, kv_end);
-      stage_full_lagging<C::LAG>(full0, S, i, c + 1);
+    if constexpr (F8) {
+      static_assert(C::LAG == 1, "the FP8 loader widens the chunk before the one it just issued");
+      const uint8_t* kc = static_cast<const uint8_t*>(a.kc);
+      const uint8_t* vc = static_cast<const uint8_t*>(a.vc);
+      uint8_t* raws = smem + C::RAW_OFF;
+      // chunk cc's raw slot, landed once `in_flight` later groups are left, widened into its stage, marked full
+      auto widen_chunk = [&](int cc, auto in_flight) {
+        const int i = it0 + cc;
+        mbar_wait(empty0 + 8 * (i % S), ((i / S) & 1) ^ 1);  // chunk i - S released its stage
+        cp_async_wait<decltype(in_flight)::value>();
+        WgChunkRows8<D>::template widen<T>(tid, raws + (cc % C::RAWS) * C::RAW, stages + (i % S) * C::STAGE);
+        fence_proxy_async();
+        mbar_arrive(full0 + 8 * (i % S));
+      };
+      WgChunkRows8<D> rows;
+      rows.compute(tid, btab, a.kvh, j, a.bs, 0, kv_end);
+      for (int c = 0; c < nchunks; ++c) {
+        rows.issue(tid, raws + (c % C::RAWS) * C::RAW, kc, vc, a.ksc, a.vsc);
+        if (c + 1 < nchunks) rows.compute(tid, btab, a.kvh, j, a.bs, (c + 1) * BN, kv_end);
+        if (c > 0) widen_chunk(c - 1, std::integral_constant<int, 1>{});
+      }
+      widen_chunk(nchunks - 1, std::integral_constant<int, 0>{});
+    } else {
+      const T* kc = static_cast<const T*>(a.kc);
+      const T* vc = static_cast<const T*>(a.vc);
+      WgChunkRows<D> rows;
+      rows.compute(tid, btab, a.kvh, j, a.bs, 0, kv_end);
+      for (int c = 0; c < nchunks; ++c) {
+        const int i = it0 + c;
+        mbar_wait(empty0 + 8 * (i % S), ((i / S) & 1) ^ 1);  // chunk i - S released its stage
+        rows.issue(tid, stages + (i % S) * C::STAGE, kc, vc);
+        if (c + 1 < nchunks) rows.compute(tid, btab, a.kvh, j, a.bs, (c + 1) * BN, kv_end);
+        stage_full_lagging<C::LAG>(full0, S, i, c + 1);
+      }
+      stages_rest_full<C::LAG>(full0, S, it0 + nchunks, nchunks);
     }
-    stages_rest_full<C::LAG>(full0, S, it0 + nchunks, nchunks);
     return;
   }
 
@@ -353,9 +465,9 @@ __device__ void wg_segment(const Args& a, uint8_t* smem, WgPipe& pipe, int j, in
 // ntiles - 1 - i / kvh (the longest last tiles first) of KV head i % kvh; the loader's first thread takes each
 // and hands it to the computing warpgroups through a ring in shared memory. The last block to finish zeroes the
 // counters (sched[1] counts finished blocks), so the next launch, or graph replay, starts from zero.
-template <typename T, int D>
-__global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, int tile_tokens, int* sched) {
-  using C = WgTile<D>;
+template <typename T, int D, bool F8>
+__global__ void __launch_bounds__(WgTile<D, F8>::NTH, 1) attn_wgmma_kernel(Args a, int tile_tokens, int* sched) {
+  using C = WgTile<D, F8>;
   pdl_trigger();
   // sm_90a code only (mbarriers, wgmma): other targets of a multi-arch build (FDLITE_CUDA_ARCHS "80;90a") get an
   // empty kernel that is never launched (wgmma_ready)
@@ -402,7 +514,7 @@ __global__ void __launch_bounds__(WgTile<D>::NTH, 1) attn_wgmma_kernel(Args a, i
     const int j = (int)(item % a.kvh);
     const int64_t t_begin = (ntiles - 1 - item / a.kvh) * tile_tokens;
     for_each_prefill_segment(a, t_begin, tile_tokens, [&](int r, int64_t t, int64_t end) {
-      wg_segment<T, D>(a, smem, pipe, j, r, t, end);
+      wg_segment<T, D, F8>(a, smem, pipe, j, r, t, end);
     });
   }
   if (wg == 1) named_bar_sync(1, 2 * C::WG);  // takes warpgroup 2's last arrival (or the first one)

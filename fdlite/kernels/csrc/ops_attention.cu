@@ -33,14 +33,14 @@
 //    the flat token axis and works through the row segments inside it (rows with q_len > 4): query
 //    rows (token x head) against chunks of keys, so K/V are read once per tile, not per token. bf16 /
 //    fp16 at head_dim 64 / 128 use tensor cores: on Hopper wgmma (attention_wgmma.cuh: persistent,
-//    warp-specialized blocks taking tiles from a queue), else and for FP8 caches mma.sync
-//    (attention_mma.cuh); 128 rows per tile, and a row's result does not depend on the rest of the batch.
+//    warp-specialized blocks taking tiles from a queue), else mma.sync (attention_mma.cuh); 128 rows per tile,
+//    and a row's result does not depend on the rest of the batch.
 //    fp32 and head_dim 256 the CUDA-core kernel below (64 rows against 32-key chunks).
 // Both stream K/V chunks through shared memory with cp.async double buffering and keep the online
 // softmax in float32 (scores in log2 units, exp2).
 // FP8 caches (fdl_paged_attention_fp8: uint8 e4m3 bits, a float32 scale per cache row): the per-token kernels
-// multiply each key's score by its K scale and each probability by its V scale; the tile kernel stages e4m3
-// chunks and widens value x scale into its model-dtype tiles (attention_mma.cuh).
+// multiply each key's score by its K scale and each probability by its V scale; the tile kernels stage e4m3
+// chunks and widen value x scale into their model-dtype tiles (attention_wgmma.cuh, attention_mma.cuh).
 #include <math_constants.h>
 
 #include <mutex>
@@ -871,8 +871,8 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
   if (a.T == 0) return;
   const size_t dsm = decode_smem<C, D>(a.g);
   // bf16 / fp16 at head_dim 64 / 128 take a tensor-core tile kernel: wgmma (attention_wgmma.cuh) where it can
-  // run and FDLITE_ATTN_MMA=2 (the default), else mma.sync (attention_mma.cuh; FP8 caches always) unless
-  // FDLITE_ATTN_MMA=0 (the CUDA-core kernel)
+  // run and FDLITE_ATTN_MMA=2 (the default), else mma.sync (attention_mma.cuh) unless FDLITE_ATTN_MMA=0 (the
+  // CUDA-core kernel; FP8 caches take mma.sync then)
   constexpr bool f8 = std::is_same<C, uint8_t>::value;
   constexpr bool mma = !std::is_same<T, float>::value && (D == 64 || D == 128);
   static_assert(!f8 || mma, "FP8 caches: bf16 / fp16 at head_dim 64 / 128 only");
@@ -895,13 +895,14 @@ void launch_attention(Args a, bool tiles, cudaStream_t s) {
            pdl_rows(a.T), a);
   }
   if (!tiles) return;
-  if constexpr (mma && !f8) {
+  if constexpr (mma) {
     if (options().attn_mma >= 2 && wgmma_ready()) {
-      allow_smem<attn_wgmma_kernel<T, mma_d>>(WgTile<mma_d>::bytes);
-      const int tile_tokens = WgTile<mma_d>::BM / a.g;
+      using W = WgTile<mma_d, f8>;
+      allow_smem<attn_wgmma_kernel<T, mma_d, f8>>(W::bytes);
+      const int tile_tokens = W::BM / a.g;
       const int64_t items = ceil_div(a.T, tile_tokens) * a.kvh;  // persistent: one block per SM at most
-      launch("attn_wgmma_kernel", attn_wgmma_kernel<T, mma_d>, dim3((unsigned)std::min<int64_t>(items, num_sms())),
-             WgTile<mma_d>::NTH, WgTile<mma_d>::bytes, s, false, a, tile_tokens, a.counters + kMaxCounters);
+      launch("attn_wgmma_kernel", attn_wgmma_kernel<T, mma_d, f8>, dim3((unsigned)std::min<int64_t>(items, num_sms())),
+             W::NTH, W::bytes, s, false, a, tile_tokens, a.counters + kMaxCounters);
       FDL_CHECK_LAUNCH("fdl_paged_attention (wgmma tile kernel)");
       return;
     }
