@@ -1584,7 +1584,7 @@ def section_fp8():
         finally:
             set_kernels()
         n = sum(map(len, prompts)) + sum(len(o.outputs[0].token_ids) for o in res)
-        return {"tokens": n, "seconds": round(sec, 2), "tokens_per_s": round(n / sec, 1)}
+        return {"tokens": n, "generate_s": round(sec, 2), "tokens_per_s": round(n / sec, 1)}
     for kv, mode, tag in (("auto", True, ""), ("fp8", True, ""), ("fp8", 1, "_mma_sync")):
         case(f"prefill_heavy_kv_{kv}{tag}", lambda kv=kv, mode=mode: prefill_heavy(kv, mode))
 
