@@ -86,6 +86,7 @@ def test_step_times_section_runs_quick_on_cpu(tmp_path, job, kv):
     assert sorted(res["results"]) == sorted(f"{p}_{tag}" for p in ("async", "sync_timed"))
     timed = res["results"][f"sync_timed_{tag}"]
     assert res["results"][f"async_{tag}"]["generate_s"] > 0
+    assert timed["kv_cache_dtype"] == (kv or "auto")  # the engine's cache, not just the results' name
     kinds = timed["by_kind"]
     assert sum(k["steps"] for k in kinds.values()) == timed["steps"] > 1
     assert 0 < timed["execute_s"] <= timed["generate_s"]

@@ -709,6 +709,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "step-times-kv-not-passed",
+        "The step-times job names its results for FDLITE_STEP_TIMES_KV but builds the engine with the default cache",
+        (Edit("tools/gpu/e2e_harness.py",
+              "        return full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling, kv_cache_dtype=kv)",
+              "        return full_size_llm(name, use_cudagraph=True, async_scheduling=async_scheduling)  # MUTATION"),),
+        ("tests/test_moe_bench_tools.py::test_step_times_section_runs_quick_on_cpu",),
+        "new",
+    ),
+    Mutation(
         "decode-fit-without-fixed-term",
         "The step-times decode fit has no per-step constant, so its parts no longer add up to the steps' time",
         (Edit("tools/gpu/e2e_harness.py", "a = np.array([[1.0, d, kv] for d, kv, _ in rows])",

@@ -2101,6 +2101,7 @@ def section_step_times():
         llm = engine(async_scheduling)
         # K and V of one token over every layer, as the runner sizes the cache (FP8: its scales too)
         kv_bytes = llm.runner.bytes_per_block // llm.config.block_size
+        kv_dtype = llm.config.kv_cache_dtype  # what the engine made of FDLITE_STEP_TIMES_KV
         gpu_view: dict = {}
         try:
             warm_up(llm)
@@ -2119,7 +2120,8 @@ def section_step_times():
         finally:
             llm.close()
             gc.collect()
-        out = {"generate_s": round(wall, 3), **({"gpu_view": gpu_view} if gpu_view else {})}
+        out = {"generate_s": round(wall, 3), "kv_cache_dtype": kv_dtype, "kv_bytes_per_token": kv_bytes,
+               **({"gpu_view": gpu_view} if gpu_view else {})}
         if steps:
             out.update({"execute_s": round(sum(s[2] for s in steps), 3), "steps": len(steps),
                         "by_kind": steps_by_kind(steps, wall), "decode_fit": decode_fit(steps, kv_bytes),
