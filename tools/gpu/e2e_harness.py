@@ -1519,8 +1519,9 @@ def section_profile():
 def section_fp8():
     """kv_cache_dtype="fp8" on the GPU (issue 25): quality beside a bf16 KV cache and transformers' own bf16
     (prefill logprob error against fp32, greedy agreement), graphs = eager with either cache (bf16 models: the
-    tensor-core decode attention, which the fp32 graph checks never reach), and the nano-vllm protocol's output
-    tokens/s with either cache, one LLM alive at a time."""
+    tensor-core decode attention, which the fp32 graph checks never reach), the nano-vllm protocol's output
+    tokens/s and issue 25's prefill-heavy job's tokens/s with either cache (FP8 also on the mma.sync tile kernel),
+    one LLM alive at a time."""
     from fdlite import LLM, SamplingParams  # noqa: PLC0415
 
     def case(name, fn):
