@@ -1,6 +1,7 @@
 """An FP8 KV cache (`kv_cache_dtype="fp8"`) beside the model-dtype cache: prefill logprob error against
-transformers fp32, next to transformers' own bf16 against fp32, greedy agreement, and the blocks a byte budget
-holds. CPU, float32 models, so the FP8 cache is the only rounding on fdlite's side.
+transformers fp32, next to transformers' own bf16 against fp32 and transformers fp32 with its K / V rounded as an FP8
+cache holds them (e4m3, a scale per token and KV head: the format's own error), greedy agreement, and the blocks a
+byte budget holds. CPU, float32 models, so the FP8 cache is the only rounding on fdlite's side.
 
 For each model family: random-weight models written by transformers (the tests' shapes by default, or
 `--hidden`/`--layers`/`--heads` for larger ones), 8 prompts of 64-400 random tokens, prefilled 128 tokens a step
@@ -35,13 +36,14 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=None, help="query heads (KV heads: a quarter)")
     ap.add_argument("--prompts", type=int, default=8)
     args = ap.parse_args()
-    from hf_models import prompt_logprob_errors, write_random_model
+    from hf_models import fp8_kv_reference_errors, prompt_logprob_errors, write_random_model
 
     print(f"# fp8 KV quality, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
           f"command: python benchmarks/fp8_kv_quality.py {' '.join(sys.argv[1:])}")
-    print("| family | head_dim | fp8 prefill logprob err (max / mean) | transformers bf16 (max / mean) | ratio of max "
-          "| greedy tokens equal to the model-dtype cache | blocks, same budget |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| family | head_dim | fp8 prefill logprob err (max / mean) | transformers bf16 (max / mean) | transformers "
+          "fp32, e4m3 K / V (max / mean) | ours / e4m3 reference, max | greedy tokens equal to the model-dtype cache "
+          "| blocks, same budget |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for fam in args.families:
         over = {}
         if args.hidden:
@@ -65,10 +67,11 @@ def main() -> None:
             ga, gf = auto.generate(ps, greedy, use_tqdm=False), fp8.generate(ps, greedy, use_tqdm=False)
             same = sum(x == y for a, b in zip(ga, gf) for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids))
             ours, theirs = prompt_logprob_errors(path, prompts, [o.prompt_logprobs for o in outs])
+            e4m3 = fp8_kv_reference_errors(path, prompts)
             hd = fp8.model_config.head_dim
             print(f"| {fam} | {hd} | {max(ours):.4f} / {np.mean(ours):.4f} | {max(theirs):.4f} / {np.mean(theirs):.4f} "
-                  f"| {max(ours) / max(theirs):.1f} | {same} / {32 * len(prompts)} | {fp8.num_blocks} vs "
-                  f"{auto.num_blocks} |")
+                  f"| {max(e4m3):.4f} / {np.mean(e4m3):.4f} | {max(ours) / max(e4m3):.2f} | {same} / {32 * len(prompts)} "
+                  f"| {fp8.num_blocks} vs {auto.num_blocks} |")
             auto.close()
             fp8.close()
 

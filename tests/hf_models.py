@@ -76,6 +76,36 @@ def load_reference(path: str):
     return model
 
 
+# transformers' attention with K and V stored as fdlite's FP8 cache stores them (`kv_cache_dtype="fp8"`): the error a
+# model shows with an e4m3 cache and no other rounding, the bar for fdlite's FP8 cache (benchmarks/fp8_kv_quality.py,
+# tools/gpu/e2e_harness.py section fp8).
+FP8_KV_ATTENTION = "ref_fp8_kv_sdpa"
+
+
+def e4m3_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] as e4m3 with a float32 scale amax / 448 per vector (fdlite/kvcache/fp8_cache.py's rule),
+    read back in x's dtype."""
+    scale = x.float().abs().amax(-1, keepdim=True) / 448.0
+    bits = (x.float() / torch.where(scale > 0, scale, torch.ones_like(scale))).to(torch.float8_e4m3fn)
+    return (bits.float() * scale).to(x.dtype)
+
+
+def register_fp8_kv_attention() -> str:
+    """Registers FP8_KV_ATTENTION with transformers (sdpa on K / V through `e4m3_round_trip`, sdpa's masks) and returns
+    its name, for `from_pretrained(..., attn_implementation=...)`."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def fp8_kv(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, e4m3_round_trip(key), e4m3_round_trip(value), attention_mask,
+                                      **kwargs)
+
+    AttentionInterface.register(FP8_KV_ATTENTION, fp8_kv)
+    AttentionMaskInterface.register(FP8_KV_ATTENTION, sdpa_mask)
+    return FP8_KV_ATTENTION
+
+
 @torch.no_grad()
 def reference_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuation of each prompt alone (no padding), ignoring EOS."""
@@ -101,6 +131,27 @@ def prompt_logprob_errors(path: str, prompts: list[list[int]], prompt_logprobs: 
         ours += [abs(got[i][p[i]].logprob - ref[i - 1, p[i]]) for i in range(1, len(p))]
         theirs += [abs(low[i - 1, p[i]] - ref[i - 1, p[i]]) for i in range(1, len(p))]
     return ours, theirs
+
+
+@torch.no_grad()
+def fp8_kv_reference_logprobs(path: str, prompts: list[list[int]]) -> list:
+    """Per prompt: transformers fp32's log-softmax [len, vocab] (row i predicts token i + 1) with K / V as an FP8 cache
+    holds them (FP8_KV_ATTENTION)."""
+    f8 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                           attn_implementation=register_fp8_kv_attention()).eval()
+    return [torch.log_softmax(f8(torch.tensor([p])).logits[0].double(), -1).numpy() for p in prompts]
+
+
+@torch.no_grad()
+def fp8_kv_reference_errors(path: str, prompts: list[list[int]]) -> list[float]:
+    """Per prompt token after the first: |transformers fp32 with K / V as an FP8 cache holds them (FP8_KV_ATTENTION)
+    - transformers fp32| in the token's logprob: the error the FP8 cache's rounding alone gives."""
+    model = load_reference(path)
+    errs = []
+    for p, low in zip(prompts, fp8_kv_reference_logprobs(path, prompts)):
+        ref = torch.log_softmax(model(torch.tensor([p])).logits[0].double(), -1).numpy()
+        errs += [abs(low[i - 1, p[i]] - ref[i - 1, p[i]]) for i in range(1, len(p))]
+    return errs
 
 
 @torch.no_grad()

@@ -600,6 +600,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "new",
     ),
     Mutation(
+        "fp8-kv-quantized-to-e4m3fnuz-range",
+        "The FP8 KV cache scales each vector to 240 (e4m3fnuz's largest value) instead of e4m3fn's 448: it still reads "
+        "back close to its values, on a coarser grid",
+        (Edit("fdlite/kvcache/fp8_cache.py",
+              "        scale = paddle.where(amax > 0, amax / E4M3_MAX, paddle.ones_like(amax))\n",
+              "        scale = paddle.where(amax > 0, amax / 240.0, paddle.ones_like(amax))  # MUTATION\n"),),
+        ("tests/test_fp8_kv_cache.py::test_prefill_logprobs_equal_transformers_with_e4m3_kv",),
+        "new",
+    ),
+    Mutation(
         "cpu-fp8-op-scale-dropped",
         "The C++ CPU attention op widens FP8 K/V bytes without their per-slot scales",
         (Edit("fdlite/kernels/csrc_cpu/paged_attention_cpu.cc",

@@ -38,7 +38,7 @@ import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     d = json.loads(f.read_text())
     for case, r in d.get("results", {}).items():
-        keep = {k: v for k, v in r.items() if k not in ("startup", "errs_ours", "errs_hf_bf16", "trace", "greedy_tokens")}
+        keep = {k: v for k, v in r.items() if k not in ("startup", "errs_ours", "errs_hf_bf16", "errs_hf_e4m3_kv", "trace", "greedy_tokens")}
         print(f"{case}: {json.dumps(keep, default=str)[:600]}")
     for e in d.get("errors", []):
         print(f"ERROR {e['case']}: {e['error'][:400]}")
