@@ -851,6 +851,23 @@ def prefill_heavy_prompts(n, lo=1024, hi=2040):
     return [[random.randint(0, 10000) for _ in range(random.randint(lo, hi))] for _ in range(n)]
 
 
+def prefill_heavy_job(llm, prompts) -> dict:
+    """Issue 25's prefill-heavy job on `llm`: `prompts` (prefill_heavy_prompts: 1,024-2,040 tokens, to fit
+    max_model_len 2,048), 8 output tokens each, greedy; tokens/s over input and output tokens. `generate_s` is the
+    generate call's own time (`run` writes the whole case's into "seconds")."""
+    from fdlite import SamplingParams  # noqa: PLC0415
+
+    t = time.time()
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    s = time.time() - t
+    n_in, n_out = sum(map(len, prompts)), sum(len(o.outputs[0].token_ids) for o in res)
+    st = llm.last_generate_stats
+    return {"requests": len(prompts), "input_tokens": n_in, "output_tokens": n_out, "generate_s": round(s, 2),
+            "tokens_per_s": round((n_in + n_out) / s, 1), "steps": st.get("num_steps"),
+            "cudagraph_replays": st.get("cudagraph_replays")}
+
+
 def warm_up(llm) -> None:
     """One tiny request before a timed job (first-call costs out of its time; token ids no job's prompt starts
     with, so it leaves nothing in the prefix cache that a job could hit)."""
@@ -1035,8 +1052,6 @@ def section_diag():
 def section_throughput():
     import paddle  # noqa: PLC0415
 
-    from fdlite import SamplingParams  # noqa: PLC0415
-
     state = {}
 
     def startup():
@@ -1088,19 +1103,7 @@ def section_throughput():
         return out
 
     def prefill_heavy():
-        """Issue 25's prefill-heavy job: 1,024 prompts of 1,024-2,040 tokens (to fit max_model_len 2,048), 8 output
-        tokens each, greedy."""
-        llm = state["llm"]
-        prompts = prefill_heavy_prompts(1024)
-        t = time.time()
-        res = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8,
-                                                                                      ignore_eos=True), use_tqdm=False)
-        s = time.time() - t
-        n_in, n_out = sum(map(len, prompts)), sum(len(o.outputs[0].token_ids) for o in res)
-        st = llm.last_generate_stats
-        return {"requests": len(prompts), "input_tokens": n_in, "output_tokens": n_out, "seconds": round(s, 2),
-                "tokens_per_s": round((n_in + n_out) / s, 1), "steps": st.get("num_steps"),
-                "cudagraph_replays": st.get("cudagraph_replays")}
+        return prefill_heavy_job(state["llm"], prefill_heavy_prompts(1024))
 
     run("startup_qwen3_0.6b_bf16", startup)
     if "llm" in state:
@@ -1587,23 +1590,17 @@ def section_fp8():
     def prefill_heavy(kv, attn_mma=True):
         """Issue 25's prefill-heavy job (1,024 prompts of 1,024-2,040 tokens, 8 output tokens) with either cache; FP8
         also on the mma.sync tile kernel (attn_mma=1, its own engine: graphs keep their kernels)."""
-        prompts = prefill_heavy_prompts(1024 if not ARGS.quick else 16)
         set_kernels(attn_mma=attn_mma)
         try:
             llm = LLM(qwen3_06b(), skip_tokenizer_init=True, device=FDL_DEVICE, max_num_seqs=256, max_model_len=2048,
                       max_num_batched_tokens=8192, kv_cache_dtype=kv)
             try:
                 warm_up(llm)
-                t = time.time()
-                res = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                   SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-                sec = time.time() - t
+                return prefill_heavy_job(llm, prefill_heavy_prompts(1024 if not ARGS.quick else 16))
             finally:
                 llm.close()
         finally:
             set_kernels()
-        n = sum(map(len, prompts)) + sum(len(o.outputs[0].token_ids) for o in res)
-        return {"tokens": n, "generate_s": round(sec, 2), "tokens_per_s": round(n / sec, 1)}
     for kv, mode, tag in (("auto", True, ""), ("fp8", True, ""), ("fp8", 1, "_mma_sync")):
         case(f"prefill_heavy_kv_{kv}{tag}", lambda kv=kv, mode=mode: prefill_heavy(kv, mode))
 
