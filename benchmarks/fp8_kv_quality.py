@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=None, help="query heads (KV heads: a quarter)")
     ap.add_argument("--prompts", type=int, default=8)
     args = ap.parse_args()
-    from hf_models import fp8_kv_reference_errors, prompt_logprob_errors, write_random_model
+    from hf_models import fp8_kv_reference_errors, fp32_prompt_logprobs, prompt_logprob_errors, write_random_model
 
     print(f"# fp8 KV quality, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
           f"command: python benchmarks/fp8_kv_quality.py {' '.join(sys.argv[1:])}")
@@ -66,8 +66,9 @@ def main() -> None:
             outs = fp8.generate(ps, lp, use_tqdm=False)
             ga, gf = auto.generate(ps, greedy, use_tqdm=False), fp8.generate(ps, greedy, use_tqdm=False)
             same = sum(x == y for a, b in zip(ga, gf) for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids))
-            ours, theirs = prompt_logprob_errors(path, prompts, [o.prompt_logprobs for o in outs])
-            e4m3 = fp8_kv_reference_errors(path, prompts)
+            fp32 = fp32_prompt_logprobs(path, prompts)  # the reference of both error lists, run once
+            ours, theirs = prompt_logprob_errors(path, prompts, [o.prompt_logprobs for o in outs], fp32)
+            e4m3 = fp8_kv_reference_errors(path, prompts, fp32)
             hd = fp8.model_config.head_dim
             print(f"| {fam} | {hd} | {max(ours):.4f} / {np.mean(ours):.4f} | {max(theirs):.4f} / {np.mean(theirs):.4f} "
                   f"| {max(e4m3):.4f} / {np.mean(e4m3):.4f} | {max(ours) / max(e4m3):.2f} | {same} / {32 * len(prompts)} "

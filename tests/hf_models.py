@@ -10,6 +10,7 @@ import gzip
 import os
 import shutil
 
+import numpy as np
 import torch
 import transformers
 
@@ -118,18 +119,34 @@ def reference_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> li
     return outs
 
 
+def _prompt_token_logprobs(model, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Per prompt: `model`'s log-probability (float64) of each prompt token after the first, given the tokens before."""
+    out = []
+    for p in prompts:
+        lp = torch.log_softmax(model(torch.tensor([p])).logits[0].double(), -1).numpy()
+        out.append(lp[np.arange(len(p) - 1), p[1:]])
+    return out
+
+
 @torch.no_grad()
-def prompt_logprob_errors(path: str, prompts: list[list[int]], prompt_logprobs: list) -> tuple[list[float], list[float]]:
+def fp32_prompt_logprobs(path: str, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Per prompt: transformers fp32's log-probability of each prompt token after the first (the reference the error
+    functions below compare with; pass it to them to run it once)."""
+    return _prompt_token_logprobs(load_reference(path), prompts)
+
+
+@torch.no_grad()
+def prompt_logprob_errors(path: str, prompts: list[list[int]], prompt_logprobs: list,
+                          fp32: list[np.ndarray] | None = None) -> tuple[list[float], list[float]]:
     """Per prompt token after the first: |fdlite's logprob (a RequestOutput's `prompt_logprobs`) - transformers
-    fp32's| and |transformers bf16's - fp32's|, over all prompts (fp32 and bf16 copies of the model at `path`)."""
-    model, half = load_reference(path), load_reference(path).to(torch.bfloat16)
+    fp32's| and |transformers bf16's - fp32's|, over all prompts (fp32 and bf16 copies of the model at `path`;
+    `fp32`: `fp32_prompt_logprobs`' result, computed here when None)."""
+    fp32 = fp32_prompt_logprobs(path, prompts) if fp32 is None else fp32
+    low = _prompt_token_logprobs(load_reference(path).to(torch.bfloat16), prompts)
     ours, theirs = [], []
-    for p, got in zip(prompts, prompt_logprobs):
-        ids = torch.tensor([p])
-        ref = torch.log_softmax(model(ids).logits[0].double(), -1).numpy()
-        low = torch.log_softmax(half(ids).logits[0].double(), -1).numpy()
-        ours += [abs(got[i][p[i]].logprob - ref[i - 1, p[i]]) for i in range(1, len(p))]
-        theirs += [abs(low[i - 1, p[i]] - ref[i - 1, p[i]]) for i in range(1, len(p))]
+    for p, got, ref, half in zip(prompts, prompt_logprobs, fp32, low):
+        ours += [abs(got[i][p[i]].logprob - ref[i - 1]) for i in range(1, len(p))]
+        theirs += np.abs(half - ref).tolist()
     return ours, theirs
 
 
@@ -143,14 +160,14 @@ def fp8_kv_reference_logprobs(path: str, prompts: list[list[int]]) -> list:
 
 
 @torch.no_grad()
-def fp8_kv_reference_errors(path: str, prompts: list[list[int]]) -> list[float]:
+def fp8_kv_reference_errors(path: str, prompts: list[list[int]], fp32: list[np.ndarray] | None = None) -> list[float]:
     """Per prompt token after the first: |transformers fp32 with K / V as an FP8 cache holds them (FP8_KV_ATTENTION)
-    - transformers fp32| in the token's logprob: the error the FP8 cache's rounding alone gives."""
-    model = load_reference(path)
+    - transformers fp32| in the token's logprob: the error the FP8 cache's rounding alone gives (`fp32`: as in
+    `prompt_logprob_errors`)."""
+    fp32 = fp32_prompt_logprobs(path, prompts) if fp32 is None else fp32
     errs = []
-    for p, low in zip(prompts, fp8_kv_reference_logprobs(path, prompts)):
-        ref = torch.log_softmax(model(torch.tensor([p])).logits[0].double(), -1).numpy()
-        errs += [abs(low[i - 1, p[i]] - ref[i - 1, p[i]]) for i in range(1, len(p))]
+    for p, low, ref in zip(prompts, fp8_kv_reference_logprobs(path, prompts), fp32):
+        errs += np.abs(low[np.arange(len(p) - 1), p[1:]] - ref).tolist()
     return errs
 
 
