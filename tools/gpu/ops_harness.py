@@ -557,7 +557,7 @@ for dt in DTYPES:
     check(f"rope_qk_norm_cache {dt} no qk_norm, {dt} table, bs16", t_rope(dt, 29, 16, 8, 128, 16, 40, False, dt))
 check("rope_qk_norm_cache bfloat16 d64 14/2 heads (Qwen2.5-0.5B-like)", t_rope("bfloat16", 23, 14, 2, 64, 64, 5, False, "float32"))
 check("rope_qk_norm_cache float32 d256 8/4 heads", t_rope("float32", 9, 8, 4, 256, 32, 4, True, "float32"))
-for dt in ("bfloat16", "float32"):  # from 512 tokens a warp takes 4 heads of a token (18 heads: 4 + 4 + 4 + 4 + 2)
+for dt in ("bfloat16", "float32"):  # a warp takes 4 heads of a token (18 heads: 4 + 4 + 4 + 4 + 2)
     check(f"rope_qk_norm_cache {dt} 600 tokens (wide: 4 heads a warp) 16/8 heads d128 qk_norm",
           t_rope(dt, 600, 16, 8, 128, 64, 12, True, "float32"))
     check(f"rope_qk_norm_cache {dt} 600 tokens (wide: 4 heads a warp) 14/2 heads d64, {dt} table",
@@ -566,9 +566,9 @@ check("rope_qk_norm_cache bfloat16 d80 8/2 heads (pairs of elements, lanes past 
       t_rope("bfloat16", 21, 8, 2, 80, 16, 12, True, "float32"))
 check("rope_qk_norm_cache float16 d98 4/2 heads (d/2 odd: one element per load), fp16 table",
       t_rope("float16", 13, 4, 2, 98, 16, 8, True, "float16"))
-# From 512 tokens, where d/2 is a multiple of 8: rope_cache_wide_kernel (8 lanes a head, 16-byte accesses); other
-# head_dims keep 4 heads a warp of rope_cache_kernel. Padded tokens (every 5th slot -1) and, with clamp, positions
-# below 0 and past the table.
+# From 128 tokens (FP8 caches: 256), where d/2 is a multiple of 8: rope_cache_wide_kernel (8 lanes a head, 16-byte
+# accesses); other head_dims keep rope_cache_kernel (4 heads a warp from 512 tokens). Padded tokens (every 5th slot
+# -1) and, with clamp, positions below 0 and past the table.
 for dt in DTYPES:
     check(f"rope_qk_norm_cache {dt} 2048 tokens (wide) Qwen3-30B-A3B 32/4 heads d128 bs64 qk_norm, fp32 table, "
           "positions clamped", t_rope(dt, 2048, 32, 4, 128, 64, 40, True, "float32", clamp=True))
@@ -586,10 +586,10 @@ check("rope_qk_norm_cache float16 600 tokens d98 4/2 heads (d/2 odd: 4 heads a w
       t_rope("float16", 600, 4, 2, 98, 16, 40, True, "float16"))
 
 
-def t_rope_bits(dt, T, h, kvh, d, bs, num_blocks, qk_norm, table_dt, chunk=256):
+def t_rope_bits(dt, T, h, kvh, d, bs, num_blocks, qk_norm, table_dt, chunk=100):
     """The wide kernel (one call on T >= 512 tokens) against the decode path (the same tokens in calls of `chunk` <
-    512, one head a warp): q and both caches must be equal bit for bit (the same float32 arithmetic in the same
-    order, the q/k norm's sum of squares included)."""
+    128 tokens, where model-dtype caches take one head a warp): q and both caches must be equal bit for bit (the same
+    float32 arithmetic in the same order, the q/k norm's sum of squares included)."""
     def f():
         max_pos = 4096
         cos, sin = rope_tables(d, max_pos)
@@ -700,11 +700,14 @@ def t_rope_fp8(dt, T, h, kvh, d, bs, num_blocks, qk_norm):
 for dt in ("bfloat16", "float16"):
     check(f"rope_qk_norm_cache_fp8 {dt} Qwen3 (16/8, d128, bs64) qk_norm", t_rope_fp8(dt, 37, 16, 8, 128, 64, 12, True))
     check(f"rope_qk_norm_cache_fp8 {dt} d64 14/2 heads bs16", t_rope_fp8(dt, 29, 14, 2, 64, 16, 40, False))
-    check(f"rope_qk_norm_cache_fp8 {dt} 600 tokens (4 heads a warp) 14/2 heads d64 bs16",
+    check(f"rope_qk_norm_cache_fp8 {dt} 600 tokens (wide, 18 heads: a group of 2) 14/2 heads d64 bs16",
           t_rope_fp8(dt, 600, 14, 2, 64, 16, 40, False))
-    # FP8 caches keep rope_cache_kernel's 4 heads a warp, the model-dtype path takes the wide kernel: q bit for bit
-    check(f"rope_qk_norm_cache_fp8 {dt} 600 tokens 32/4 heads d128 bs64 qk_norm (q vs the wide kernel's)",
+    # from 256 tokens FP8 caches take the wide kernel too (below, rope_cache_kernel): its e4m3 bits and scales against
+    # the model-dtype path's values quantized on the host, q bit for bit
+    check(f"rope_qk_norm_cache_fp8 {dt} 600 tokens (wide) 32/4 heads d128 bs64 qk_norm",
           t_rope_fp8(dt, 600, 32, 4, 128, 64, 12, True))
+    check(f"rope_qk_norm_cache_fp8 {dt} 300 tokens (wide) 16/8 heads d128 bs16 no qk_norm",
+          t_rope_fp8(dt, 300, 16, 8, 128, 16, 40, False))
 save()
 
 # ================================================================== (e) paged attention
@@ -1775,6 +1778,34 @@ if not ARGS.no_bench:
                 log(f"  {name:24s} T={T:5d}: {us:7.2f} us {row['GB_s']:6d} GB/s")
         return out
 
+    def bench_rope():
+        # rope + q/k norm + cache write at decode and prefill sizes, Qwen3-0.6B heads (16 / 8, d 128), into a bf16
+        # and an FP8 cache (e4m3 bytes and a scale per cache row); bytes: qkv read, q and the cache rows written
+        out = []
+        for T in (1, 16, 64, 128, 256, 511, 2048, 8192):
+            slots_n = max(64 * 64, T)
+            qkv = to_gpu(rng.standard_normal((T, 4096)), "bfloat16")
+            pos = to_gpu(rng.integers(0, 4096, T), "int64")
+            sl = to_gpu(rng.permutation(slots_n)[:T].astype(np.int64), "int64")
+            cs = to_gpu(np.ones((4096, 128)), "float32")
+            qn = to_gpu(np.ones(128), "bfloat16")
+            shape = [slots_n // 64 + 1, 8, 64, 128]
+            kc, vc = empty(shape, "bfloat16"), empty(shape, "bfloat16")
+            k8, v8 = (types.SimpleNamespace(data=empty(shape, "uint8"), scale=empty(shape[:3], "float32"))
+                      for _ in range(2))
+            for name, fn, byt in (
+                ("rope_qk_norm_cache", lambda: G.rope_qk_norm_cache(qkv, pos, sl, cs, cs, kc, vc, 16, qn, qn, 1e-6),
+                 T * 2 * (4096 + 16 * 128 + 2 * 8 * 128)),
+                ("rope_qk_norm_cache_fp8", lambda: G.rope_qk_norm_cache_fp8(qkv, pos, sl, cs, cs, k8, v8, 16, qn, qn,
+                                                                            1e-6),
+                 T * (2 * 4096 + 2 * 16 * 128 + 2 * 8 * (128 + 4))),
+            ):
+                us = graph_time_us(fn, per_graph=50, replays=5)
+                row = {"op": name, "T": T, "us": round(us, 2), "GB_s": round(byt / us / 1e3)}
+                out.append(row)
+                log(f"  {name:24s} T={T:5d}: {us:7.2f} us {row['GB_s']:6d} GB/s")
+        return out
+
     def bench_sampling():
         out = []
         V = 151936
@@ -1848,7 +1879,7 @@ if not ARGS.no_bench:
                ("attention_decode_gqa", lambda: sum((bench_attn_decode((1, 64, 128, 256), heads=hd, ctxs=(512, 2048),
                                                                        kernels=(False, True))
                                                      for hd in ((16, 8), (32, 8), (32, 4))), [])),
-               ("gemm", bench_gemm), ("elementwise", bench_small), ("sampling", bench_sampling),
+               ("gemm", bench_gemm), ("elementwise", bench_small), ("rope", bench_rope), ("sampling", bench_sampling),
                ("host_overhead", bench_host),
                ("moe_route", lambda: ops_harness_moe.bench_route(sys.modules[__name__])),
                ("moe_decode", lambda: ops_harness_moe.bench_decode(sys.modules[__name__])),

@@ -16,11 +16,13 @@
 // before rotation (as the CPU path / Hugging Face, where the norm is a separate op).
 //
 // Two kernels, the same arithmetic (outputs equal bit for bit): rope_cache_kernel, 32 lanes a head and pairs of
-// elements per access, for decode-sized batches (latency-bound), FP8 caches and shapes without whole 16-byte
-// chunks; and from kRopeGroupFrom tokens rope_cache_wide_kernel, 8 lanes a head, 4 heads a warp at once and 16-byte
-// accesses, for the memory-bound prefill pass (the first's 4-byte accesses and one head after another reached
-// about 64% of HBM bandwidth at 8k tokens of Qwen3-30B-A3B under Nsight Compute; the op at 8,192 tokens, H100:
-// 81.6 -> 67.2 us). Its q/k norm adds the sum of squares in the first kernel's order, so the float is the same.
+// elements per access, for small decode batches (latency-bound) and shapes without whole 16-byte chunks; and from
+// kRopeWideFrom tokens (FP8 caches: kRopeWideFromF8) rope_cache_wide_kernel, 8 lanes a head, 4 heads a warp at once
+// and 16-byte accesses (FP8: 8-byte stores of e4m3 bits), for larger decode steps and the memory-bound prefill pass
+// (the first's 4-byte accesses and one head after another reached about 64% of HBM bandwidth at 8k tokens of
+// Qwen3-30B-A3B under Nsight Compute; the op at 8,192 tokens, H100: 81.6 -> 67.2 us; over an FP8 cache, one byte a
+// store, 83.1 -> 59.5 us at Qwen3-0.6B's heads). Its q/k norm adds the sum of squares in the first kernel's order,
+// so the float is the same.
 #include <type_traits>
 
 #include "ops_common.cuh"
@@ -28,11 +30,14 @@
 namespace fdl {
 namespace {
 
-// Heads of one token per warp from this many tokens on (they share its cos / sin row): rope_cache_wide_kernel, or
-// rope_cache_kernel with HPW 4 for the shapes and caches the wide one does not take. Below it one head per warp, as
-// many warps as heads in flight (a decode step's few tokens are latency-bound: 4 heads a warp took 3.3 us at one
-// token against 1.9).
+// rope_cache_kernel: heads of one token per warp (HPW 4: they share its cos / sin row) from this many tokens on, for
+// the shapes and caches the wide kernel does not take. Below it one head per warp, as many warps as heads in flight
+// (a decode step's few tokens are latency-bound: 4 heads a warp took 3.3 us at one token against 1.9).
 constexpr int64_t kRopeGroupFrom = 512;
+// rope_cache_wide_kernel from this many tokens (shapes of whole 16-byte chunks), measured on the H100 at Qwen3-0.6B's
+// heads (docs/benchmarks.md, "Elementwise ops"): below, one head a warp is as fast or faster (bf16 cache at 64 tokens
+// 2.40 vs 2.54 us, 128: 2.77 vs 2.67, 256: 4.08 vs 3.15; FP8 at 128: 3.28 vs 3.57, 256: 4.65 vs 4.24).
+constexpr int64_t kRopeWideFrom = 128, kRopeWideFromF8 = 256;
 
 // The cache row of a token's slot for KV head j: ((slot / block_size) * kvh + j) * block_size + slot % block_size,
 // named once for both kernels. I: the division's type, int64_t, or unsigned where the caller knows the slot fits
@@ -47,8 +52,9 @@ __device__ __forceinline__ int64_t slot_cache_row(I slot, int block_size, int kv
 // group (read per head, those table reads were 3x the qkv bytes at head_dim 128; HPW 4 from kRopeGroupFrom tokens).
 // Lane l holds VEC consecutive pairs (i, i + d/2), i = VEC l + 32 VEC p + v, so the rotate_half partner is in the same
 // thread and every load and store moves VEC elements (VEC = 2 when d/2 is even). STEPS = ceil(d/2 / (32 VEC)).
-// The decode path (T < kRopeGroupFrom), and from there on FP8 caches and shapes without whole 16-byte chunks; its
-// arithmetic (the sum of squares' order included) is the reference that rope_cache_wide_kernel reproduces.
+// Small decode steps (below kRopeWideFrom / kRopeWideFromF8 tokens), shapes without whole 16-byte chunks and float32
+// models over FP8 caches; its arithmetic (the sum of squares' order included) is the reference that
+// rope_cache_wide_kernel reproduces.
 template <typename T, typename C, int STEPS, int VEC, int HPW, bool F8>
 __global__ void rope_cache_kernel(T* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache,
                                   float* __restrict__ k_scale, float* __restrict__ v_scale, const T* __restrict__ qkv, const int64_t* __restrict__ positions,
@@ -295,10 +301,12 @@ __device__ __forceinline__ float head_sum_of_squares(const float (&part)[4], int
 // arithmetic is rope_cache_kernel's, in the same order with the same rounding, its fused multiply-adds spelled out
 // as that kernel's compiled code has them (fma(x1, x1, x2 x2) in the sum of squares, fma(a, c1, -(b s1)) and
 // fma(b, c2, a s2) in the rotation): the outputs are the same bits. At most 64 registers at one step: 32 warps an SM.
-template <typename T, typename C, int STEPS>
+// F8: the cache rows as rope_cache_kernel writes them (e4m3 bits, the head's amax from its 8 lanes' shuffles).
+template <typename T, typename C, int STEPS, bool F8>
 __global__ void __launch_bounds__(kWideWarps * 32, STEPS == 1 ? 4 : 2)
-    rope_cache_wide_kernel(T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
-                           const T* __restrict__ qkv, const int64_t* __restrict__ positions,
+    rope_cache_wide_kernel(T* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache,
+                           float* __restrict__ k_scale, float* __restrict__ v_scale, const T* __restrict__ qkv,
+                           const int64_t* __restrict__ positions,
                            const int64_t* __restrict__ slots, const C* __restrict__ cos_t,
                            const C* __restrict__ sin_t, const T* __restrict__ qw, const T* __restrict__ kw,
                            int64_t tokens, int h, int kvh, int d, int block_size, int64_t max_pos, bool qk_norm,
@@ -416,11 +424,50 @@ __global__ void __launch_bounds__(kWideWarps * 32, STEPS == 1 ? 4 : 2)
   if (is_q) {
     dst = q_out + (t * h + hd) * (int64_t)d;
   } else {
-    if (slot < 0) return;  // padded tokens write no cache row
+    if (slot < 0) return;  // padded tokens write no cache row (the token's warps: whole 8-lane heads)
     const int jh = is_k ? hd - h : hd - h - kvh;
     // unsigned: a 32-bit division (a cache of 2^32 slots would not fit in memory)
     const int64_t row = slot_cache_row((unsigned)slot, block_size, kvh, jh);
-    dst = (is_k ? k_cache : v_cache) + row * d;
+    if constexpr (F8) {
+      // rope_cache_kernel's FP8 rule: the values rounded to T, scale = amax / 448 over the head's d values (a max:
+      // the same float in any order), e4m3 bits of value / scale; 8 bytes a chunk, one store
+      float amax = 0.f;
+#pragma unroll
+      for (int p = 0; p < STEPS; ++p)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          x1[p][e] = round_to<T>(x1[p][e]);  // 0 for the chunks past d/2
+          x2[p][e] = round_to<T>(x2[p][e]);
+          amax = fmaxf(amax, fmaxf(fabsf(x1[p][e]), fabsf(x2[p][e])));
+        }
+      // the head's 8 lanes (all present: heads are live or not, slots valid or not, by whole heads)
+      const unsigned head_lanes = 0xffu << (lane & ~(kWideLanes - 1));
+      amax = fmaxf(amax, __shfl_xor_sync(head_lanes, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(head_lanes, amax, 2));
+      amax = fmaxf(amax, __shfl_xor_sync(head_lanes, amax, 4));
+      const float sc = amax > 0.f ? amax / 448.f : 1.f;
+      uint8_t* d8 = static_cast<uint8_t*>(is_k ? k_cache : v_cache) + row * d;
+#pragma unroll
+      for (int p = 0; p < STEPS; ++p) {
+        const int i = kWideLanes * j + 64 * p;
+        if (i < half) {
+          uint8_t b1[8], b2[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            b1[e] = f_to_e4m3(x1[p][e] / sc);
+            b2[e] = f_to_e4m3(x2[p][e] / sc);
+          }
+          uint2 u1, u2;
+          memcpy(&u1, b1, 8);
+          memcpy(&u2, b2, 8);
+          *reinterpret_cast<uint2*>(d8 + i) = u1;
+          *reinterpret_cast<uint2*>(d8 + i + half) = u2;
+        }
+      }
+      if (j == 0) (is_k ? k_scale : v_scale)[row] = sc;
+      return;
+    }
+    dst = static_cast<T*>(is_k ? k_cache : v_cache) + row * d;
   }
 #pragma unroll
   for (int p = 0; p < STEPS; ++p) {
@@ -438,19 +485,18 @@ void launch_rope(T* q, void* kc, void* vc, float* ksc, float* vsc, const T* qkv,
                  float eps, cudaStream_t s) {
   if (tokens == 0) return;
   const int half = d / 2;
-  if constexpr (!F8) {
-    // the wide path: whole 16-byte chunks (d/2 a multiple of 8 elements, every base 16-byte aligned, as fresh
-    // tensors are) and 32-bit unit numbers; the rest (and FP8 caches) take rope_cache_kernel's HPW 4 path
-    const int64_t units = tokens * ceil_div(h + 2 * kvh, 4);
-    if (tokens >= kRopeGroupFrom && half % 8 == 0 && units < (int64_t{1} << 31) && aligned16(q) && aligned16(kc) &&
-        aligned16(vc) && aligned16(qkv) && aligned16(cs) && aligned16(sn) &&
+  // the wide path: whole 16-byte chunks (d/2 a multiple of 8 elements, every base 16-byte aligned, as fresh tensors
+  // are) and 32-bit unit numbers; the rest takes rope_cache_kernel, as do float32 models over FP8 caches (the wide
+  // kernel's instance spills there)
+  if constexpr (!F8 || sizeof(T) == 2) {
+    const int64_t wide_units = tokens * ceil_div(h + 2 * kvh, 4);
+    if (tokens >= (F8 ? kRopeWideFromF8 : kRopeWideFrom) && half % 8 == 0 && wide_units < (int64_t{1} << 31) && aligned16(q) &&
+        aligned16(kc) && aligned16(vc) && aligned16(qkv) && aligned16(cs) && aligned16(sn) &&
         (!norm || (aligned16(qw) && aligned16(kw)))) {
-      const unsigned blocks = (unsigned)ceil_div(units, kWideWarps);
-      T* kt = static_cast<T*>(kc);
-      T* vt = static_cast<T*>(vc);
-#define FDL_ROPE_W(STEPS)                                                                                          \
-  launch("rope_cache_wide_kernel", rope_cache_wide_kernel<T, C, STEPS>, blocks, kWideWarps * 32, 0, s,             \
-         pdl_rows(tokens), q, kt, vt, qkv, pos, slots, cs, sn, qw, kw, tokens, h, kvh, d, bs, max_pos, norm, eps)
+      const unsigned blocks = (unsigned)ceil_div(wide_units, kWideWarps);
+#define FDL_ROPE_W(STEPS)                                                                                        \
+  launch("rope_cache_wide_kernel", rope_cache_wide_kernel<T, C, STEPS, F8>, blocks, kWideWarps * 32, 0, s,         \
+         pdl_rows(tokens), q, kc, vc, ksc, vsc, qkv, pos, slots, cs, sn, qw, kw, tokens, h, kvh, d, bs, max_pos, norm, eps)
       if (half <= 64) FDL_ROPE_W(1);
       else FDL_ROPE_W(2);
 #undef FDL_ROPE_W

@@ -1,0 +1,234 @@
+// Standalone probe (no Paddle): do the decode projections of Qwen3-0.6B get faster when their weights are already in
+// L2, and can an L2 prefetch issued during the layer's attention (an HBM-bound kernel) put them there?
+//
+// A decode layer on the H100 is the attention (reading the KV cache at HBM speed) followed by cuBLASLt GEMMs that sit
+// at a floor of 5-6 us each (docs/benchmarks.md, "cuBLASLt's first heuristic vs its fastest candidate"), well above
+// their weights' read time. Emulated here per layer: a streaming kernel reading `stream_mb` of a buffer much larger
+// than L2 (the attention's KV), then the layer's four projections (qkv, o_proj, gate_up, down; weights [N, K], run as
+// cuBLASLt TN with the heuristic's first algorithm, as fdl_linear does), 28 layers, one CUDA graph, median of 10.
+// Variants of the same graph:
+//   gemm_cold   : the GEMMs alone, each layer its own weights (nothing served from L2)
+//   gemm_hot    : the GEMMs alone, every layer layer 0's weights (31 MB: held in the 50 MB L2)
+//   stream      : the streaming kernels alone
+//   base        : stream + GEMMs, cold weights
+//   pf_kernel   : base, and the streaming kernel's first blocks issue cp.async.bulk.prefetch.L2 for the layer's
+//                 weights (evict_last) before streaming; its own loads evict_first
+//   pf_side     : base, and a prefetch kernel on a side stream forked at the layer's start
+//   *_persist   : the same with cudaLimitPersistingL2CacheSize at the device's maximum
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 lt_l2_probe.cu -lcublasLt -o b
+#include "probe_util.cuh"
+
+struct Shape {
+  const char* name;
+  int K, N;
+};
+constexpr int kLayers = 28;
+const Shape kShapes[4] = {{"qkv", 1024, 4096}, {"o_proj", 2048, 1024}, {"gate_up", 1024, 6144}, {"down", 3072, 1024}};
+constexpr size_t kWs = 32u << 20;
+
+struct Prefetch {  // up to 4 regions of one layer's weights
+  const void* p[4];
+  unsigned bytes[4];
+};
+
+__device__ __forceinline__ uint64_t policy_evict_last() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint64_t policy_evict_first() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
+// Thread t of the first `nthreads` issues bulk L2 prefetches of 64 KB pieces of the regions, round robin.
+__device__ __forceinline__ void issue_prefetch(const Prefetch& pf, int t, int nthreads) {
+  const uint64_t pol = policy_evict_last();
+  constexpr unsigned kPiece = 64u << 10;
+  int idx = 0;
+  for (int r = 0; r < 4; ++r) {
+    if (pf.p[r] == nullptr) continue;
+    const char* base = static_cast<const char*>(pf.p[r]);
+    for (unsigned off = 0; off < pf.bytes[r]; off += kPiece, ++idx) {
+      if (idx % nthreads != t) continue;
+      const unsigned n = min(kPiece, pf.bytes[r] - off);
+      asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(base + off), "r"(n),
+                   "l"(pol)
+                   : "memory");
+    }
+  }
+}
+
+// Reads n uint4 of src (streaming, once) and writes one sum per block (so nothing is optimized away).
+// prefetch: block 0's threads issue the layer's weight prefetches first; evict_first: the loads carry that policy.
+__global__ void stream_kernel(const uint4* __restrict__ src, size_t n, unsigned* __restrict__ sink, Prefetch pf,
+                              bool prefetch, bool evict_first) {
+  if (prefetch && blockIdx.x == 0) issue_prefetch(pf, threadIdx.x, blockDim.x);
+  unsigned acc = 0;
+  if (evict_first) {
+    const uint64_t pol = policy_evict_first();
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+      uint4 v;
+      asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "l"(src + i), "l"(pol));
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+  } else {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+      uint4 v;
+      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "l"(src + i));
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+  }
+  if (acc == 0x12345678u) sink[blockIdx.x] = acc;
+}
+
+__global__ void prefetch_kernel(Prefetch pf) { issue_prefetch(pf, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x); }
+
+int main(int argc, char** argv) {
+  const double stream_mb = argc > 1 ? atof(argv[1]) : 200.0;
+  cudaStream_t s, side;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  printf("{\"device\":\"%s\",\"l2_bytes\":%d,\"persisting_l2_max\":%d,\"sms\":%d,\"stream_mb\":%.0f}\n", prop.name,
+         prop.l2CacheSize, prop.persistingL2CacheMaxSize, prop.multiProcessorCount, stream_mb);
+  cublasLtHandle_t h;
+  LK(cublasLtCreate(&h));
+  void* ws;
+  CK(cudaMalloc(&ws, kWs));
+  bf16 *x, *y;
+  CK(cudaMalloc(&x, (size_t)256 * 6144 * 2));
+  CK(cudaMalloc(&y, (size_t)256 * 6144 * 2));
+  fill_rand<<<1024, 256, 0, s>>>(x, (size_t)256 * 6144, 5);
+  std::vector<bf16*> w(4 * kLayers);
+  for (int l = 0; l < kLayers; ++l)
+    for (int j = 0; j < 4; ++j) {
+      const size_t n = (size_t)kShapes[j].K * kShapes[j].N;
+      CK(cudaMalloc(&w[l * 4 + j], n * 2));
+      fill_rand<<<1024, 256, 0, s>>>(w[l * 4 + j], n, 77 + l * 4 + j);
+    }
+  const size_t stream_bytes = (size_t)(stream_mb * 1e6) / 16 * 16;
+  const size_t big = std::max(stream_bytes, (size_t)512 << 20);  // the streamed buffer: far larger than L2
+  uint4* kv;
+  unsigned* sink;
+  CK(cudaMalloc(&kv, big));
+  CK(cudaMalloc(&sink, 1 << 20));
+  CK(cudaMemsetAsync(kv, 1, big, s));
+  CK(cudaStreamSynchronize(s));
+  const int sblocks = prop.multiProcessorCount * 8;
+  cudaEvent_t fork, join;
+  CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+
+  for (int M : {16, 64, 128, 256}) {
+    cublasLtMatmulDesc_t op[4];
+    cublasLtMatrixLayout_t la[4], lb[4], ld[4];
+    cublasLtMatmulAlgo_t algo[4];
+    for (int j = 0; j < 4; ++j) {
+      const Shape& sh = kShapes[j];
+      LK(cublasLtMatmulDescCreate(&op[j], CUBLAS_COMPUTE_32F, CUDA_R_32F));
+      cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+      LK(cublasLtMatmulDescSetAttribute(op[j], CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+      LK(cublasLtMatmulDescSetAttribute(op[j], CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+      LK(cublasLtMatrixLayoutCreate(&la[j], CUDA_R_16BF, sh.K, sh.N, sh.K));
+      LK(cublasLtMatrixLayoutCreate(&lb[j], CUDA_R_16BF, sh.K, M, sh.K));
+      LK(cublasLtMatrixLayoutCreate(&ld[j], CUDA_R_16BF, sh.N, M, sh.N));
+      cublasLtMatmulPreference_t pref;
+      LK(cublasLtMatmulPreferenceCreate(&pref));
+      size_t wsb = kWs;
+      LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
+      cublasLtMatmulHeuristicResult_t res;
+      int n = 0;
+      LK(cublasLtMatmulAlgoGetHeuristic(h, op[j], la[j], lb[j], ld[j], ld[j], pref, 1, &res, &n));
+      if (n < 1) {
+        printf("no algorithm\n");
+        return 1;
+      }
+      algo[j] = res.algo;
+      cublasLtMatmulPreferenceDestroy(pref);
+    }
+    auto gemms = [&](int l) {
+      const float al = 1.f, be = 0.f;
+      for (int j = 0; j < 4; ++j)
+        cublasLtMatmul(h, op[j], &al, w[l * 4 + j], la[j], x, lb[j], &be, y, ld[j], y, ld[j], &algo[j], ws, kWs, s);
+    };
+    auto pf_of = [&](int l) {
+      Prefetch pf{};
+      for (int j = 0; j < 4; ++j) {
+        pf.p[j] = w[l * 4 + j];
+        pf.bytes[j] = (unsigned)((size_t)kShapes[j].K * kShapes[j].N * 2);
+      }
+      return pf;
+    };
+    auto stream = [&](int l, bool pf, bool ef) {
+      const size_t off = (size_t)l * (stream_bytes / 4) % (big - stream_bytes + 1) / 16;  // layers read different bytes
+      stream_kernel<<<sblocks, 256, 0, s>>>(kv + off, stream_bytes / 16, sink, pf_of(l), pf, ef);
+    };
+    for (int persist = 0; persist < 2; ++persist) {
+      CK(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, persist ? (size_t)prop.persistingL2CacheMaxSize : 0));
+      const char* tag = persist ? "_persist" : "";
+      auto report = [&](const char* name, float ms) {
+        printf("{\"M\":%d,\"variant\":\"%s%s\",\"step_us\":%.1f,\"layer_us\":%.2f}\n", M, name, tag, ms * 1e3,
+               ms * 1e3 / kLayers);
+        fflush(stdout);
+      };
+      if (!persist) {
+        report("gemm_cold", graph_ms(s, [&] { for (int l = 0; l < kLayers; ++l) gemms(l); }, 10, 2));
+        report("gemm_hot", graph_ms(s, [&] { for (int l = 0; l < kLayers; ++l) gemms(0); }, 10, 2));
+        report("stream", graph_ms(s, [&] { for (int l = 0; l < kLayers; ++l) stream(l, false, false); }, 10, 2));
+        report("stream_evict_first", graph_ms(s, [&] { for (int l = 0; l < kLayers; ++l) stream(l, false, true); }, 10, 2));
+      }
+      report("base", graph_ms(s, [&] {
+               for (int l = 0; l < kLayers; ++l) {
+                 stream(l, false, false);
+                 gemms(l);
+               }
+             }, 10, 2));
+      report("base_evict_first", graph_ms(s, [&] {
+               for (int l = 0; l < kLayers; ++l) {
+                 stream(l, false, true);
+                 gemms(l);
+               }
+             }, 10, 2));
+      report("pf_kernel", graph_ms(s, [&] {
+               for (int l = 0; l < kLayers; ++l) {
+                 stream(l, true, true);
+                 gemms(l);
+               }
+             }, 10, 2));
+      report("pf_kernel_normal_loads", graph_ms(s, [&] {
+               for (int l = 0; l < kLayers; ++l) {
+                 stream(l, true, false);
+                 gemms(l);
+               }
+             }, 10, 2));
+      report("pf_side", graph_ms(s, [&] {
+               for (int l = 0; l < kLayers; ++l) {
+                 CK(cudaEventRecord(fork, s));
+                 CK(cudaStreamWaitEvent(side, fork, 0));
+                 prefetch_kernel<<<4, 128, 0, side>>>(pf_of(l));
+                 stream(l, false, true);
+                 gemms(l);
+               }
+               CK(cudaEventRecord(join, side));
+               CK(cudaStreamWaitEvent(s, join, 0));
+             }, 10, 2));
+    }
+    CK(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0));
+    for (int j = 0; j < 4; ++j) {
+      cublasLtMatrixLayoutDestroy(la[j]);
+      cublasLtMatrixLayoutDestroy(lb[j]);
+      cublasLtMatrixLayoutDestroy(ld[j]);
+      cublasLtMatmulDescDestroy(op[j]);
+    }
+  }
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  return 0;
+}
