@@ -1,5 +1,5 @@
-// Shared by the standalone device probes (gemv_pdl_bench.cu, lt_algo_probe.cu; no Paddle): error checks, a random
-// bf16 fill, and the median GPU time of a captured CUDA graph (`reps` replays after `warm`).
+// Shared by the standalone device probes (gemv_pdl_bench.cu, lt_algo_probe.cu, lt_l2_probe.cu; no Paddle): error
+// checks, a random bf16 fill, and the median GPU time of a captured CUDA graph (`reps` replays after `warm`).
 #pragma once
 #include <cublasLt.h>
 #include <cuda_bf16.h>
