@@ -34,9 +34,9 @@ namespace {
 // the shapes and caches the wide kernel does not take. Below it one head per warp, as many warps as heads in flight
 // (a decode step's few tokens are latency-bound: 4 heads a warp took 3.3 us at one token against 1.9).
 constexpr int64_t kRopeGroupFrom = 512;
-// rope_cache_wide_kernel from this many tokens (shapes of whole 16-byte chunks), measured on the H100 at Qwen3-0.6B's
-// heads (docs/benchmarks.md, "Elementwise ops"): below, one head a warp is as fast or faster (bf16 cache at 64 tokens
-// 2.40 vs 2.54 us, 128: 2.77 vs 2.67, 256: 4.08 vs 3.15; FP8 at 128: 3.28 vs 3.57, 256: 4.65 vs 4.24).
+// rope_cache_wide_kernel from this many tokens (shapes of whole 16-byte chunks): where it overtook one head a warp on
+// the H100 at Qwen3-0.6B's heads (docs/benchmarks.md, "Elementwise ops"; one head a warp vs wide, bf16 cache: 64
+// tokens 2.40 vs 2.54 us, 128: 2.77 vs 2.67, 256: 4.08 vs 3.15; FP8 cache: 128: 3.28 vs 3.57, 256: 4.65 vs 4.24).
 constexpr int64_t kRopeWideFrom = 128, kRopeWideFromF8 = 256;
 
 // The cache row of a token's slot for KV head j: ((slot / block_size) * kvh + j) * block_size + slot % block_size,
@@ -490,8 +490,8 @@ void launch_rope(T* q, void* kc, void* vc, float* ksc, float* vsc, const T* qkv,
   // kernel's instance spills there)
   if constexpr (!F8 || sizeof(T) == 2) {
     const int64_t wide_units = tokens * ceil_div(h + 2 * kvh, 4);
-    if (tokens >= (F8 ? kRopeWideFromF8 : kRopeWideFrom) && half % 8 == 0 && wide_units < (int64_t{1} << 31) && aligned16(q) &&
-        aligned16(kc) && aligned16(vc) && aligned16(qkv) && aligned16(cs) && aligned16(sn) &&
+    if (tokens >= (F8 ? kRopeWideFromF8 : kRopeWideFrom) && half % 8 == 0 && wide_units < (int64_t{1} << 31) &&
+        aligned16(q) && aligned16(kc) && aligned16(vc) && aligned16(qkv) && aligned16(cs) && aligned16(sn) &&
         (!norm || (aligned16(qw) && aligned16(kw)))) {
       const unsigned blocks = (unsigned)ceil_div(wide_units, kWideWarps);
 #define FDL_ROPE_W(STEPS)                                                                                        \
