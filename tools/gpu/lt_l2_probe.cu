@@ -9,12 +9,12 @@
 // Variants of the same graph:
 //   gemm_cold   : the GEMMs alone, each layer its own weights (nothing served from L2)
 //   gemm_hot    : the GEMMs alone, every layer layer 0's weights (31 MB: held in the 50 MB L2)
-//   stream      : the streaming kernels alone
-//   base        : stream + GEMMs, cold weights
-//   pf_kernel   : base, and the streaming kernel's first blocks issue cp.async.bulk.prefetch.L2 for the layer's
-//                 weights (evict_last) before streaming; its own loads evict_first
-//   pf_side     : base, and a prefetch kernel on a side stream forked at the layer's start
-//   *_persist   : the same with cudaLimitPersistingL2CacheSize at the device's maximum
+//   stream      : the streaming kernels alone (stream_evict_first: their loads with the evict_first policy)
+//   base        : stream + GEMMs, cold weights (base_evict_first: as above)
+//   pf_kernel   : base, and the streaming kernel's block 0 issues cp.async.bulk.prefetch.L2 for the layer's weights
+//                 (evict_last, 64 KB pieces) before streaming; its own loads evict_first (pf_kernel_normal_loads: not)
+//   pf_side     : base, and a prefetch kernel (4 blocks) on a side stream forked at the layer's start
+//   *_persist   : base and the prefetch variants with cudaLimitPersistingL2CacheSize at the device's maximum
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 lt_l2_probe.cu -lcublasLt -o b
 #include "probe_util.cuh"
 
