@@ -15,6 +15,7 @@
 //                 (evict_last, 64 KB pieces) before streaming; its own loads evict_first (pf_kernel_normal_loads: not)
 //   pf_side     : base, and a prefetch kernel (4 blocks) on a side stream forked at the layer's start
 //   *_persist   : base and the prefetch variants with cudaLimitPersistingL2CacheSize at the device's maximum
+// then the floor: 112 dependent launches of an empty kernel, and of GEMMs on one small weight in L2.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 lt_l2_probe.cu -lcublasLt -o b
 #include "probe_util.cuh"
 
@@ -86,6 +87,8 @@ __global__ void stream_kernel(const uint4* __restrict__ src, size_t n, unsigned*
   }
   if (acc == 0x12345678u) sink[blockIdx.x] = acc;
 }
+
+__global__ void empty_kernel() {}
 
 __global__ void prefetch_kernel(Prefetch pf) { issue_prefetch(pf, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x); }
 
@@ -228,6 +231,46 @@ int main(int argc, char** argv) {
       cublasLtMatmulDescDestroy(op[j]);
     }
   }
+  // The floor: 112 dependent launches in one graph (a step's 28 layers x 4 projections) of an empty kernel, and of
+  // cuBLASLt GEMMs on one small weight held in L2 (K = N = 128, and K = N = 1024): what a launch and a GEMM cost with
+  // almost no bytes to move.
+  printf("{\"floor\":\"empty_kernel\",\"us_per_launch\":%.2f}\n",
+         1e3f * graph_ms(s, [&] { for (int i = 0; i < 4 * kLayers; ++i) empty_kernel<<<1, 32, 0, s>>>(); }, 10, 2) /
+             (4 * kLayers));
+  for (int KN : {128, 1024})
+    for (int M : {16, 64, 128, 256}) {
+      cublasLtMatmulDesc_t op;
+      cublasLtMatrixLayout_t la, lb, ld;
+      LK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+      cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+      LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+      LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+      LK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, KN, KN, KN));
+      LK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, KN, M, KN));
+      LK(cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, KN, M, KN));
+      cublasLtMatmulPreference_t pref;
+      LK(cublasLtMatmulPreferenceCreate(&pref));
+      size_t wsb = kWs;
+      LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
+      cublasLtMatmulHeuristicResult_t res;
+      int n = 0;
+      LK(cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, 1, &res, &n));
+      if (n > 0) {
+        const float al = 1.f, be = 0.f;
+        const float ms = graph_ms(s, [&] {
+          for (int i = 0; i < 4 * kLayers; ++i)
+            cublasLtMatmul(h, op, &al, w[0], la, x, lb, &be, y, ld, y, ld, &res.algo, ws, kWs, s);
+        }, 10, 2);
+        printf("{\"floor\":\"gemm\",\"K\":%d,\"N\":%d,\"M\":%d,\"us_per_gemm\":%.2f}\n", KN, KN, M,
+               1e3f * ms / (4 * kLayers));
+        fflush(stdout);
+      }
+      cublasLtMatmulPreferenceDestroy(pref);
+      cublasLtMatrixLayoutDestroy(la);
+      cublasLtMatrixLayoutDestroy(lb);
+      cublasLtMatrixLayoutDestroy(ld);
+      cublasLtMatmulDescDestroy(op);
+    }
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   return 0;
