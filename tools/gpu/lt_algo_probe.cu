@@ -47,34 +47,15 @@ int main() {
   CK(cudaMalloc(&y, (size_t)256 * 28672 * 2));
   fill_rand<<<1024, 256, 0, s>>>(x, (size_t)256 * 28672, 5);
   for (const Model& md : kModels) {
-    std::vector<bf16*> w(4 * md.layers);
-    for (int l = 0; l < md.layers; ++l)
-      for (int j = 0; j < 4; ++j) {
-        const size_t n = (size_t)md.shapes[j].K * md.shapes[j].N;
-        CK(cudaMalloc(&w[l * 4 + j], n * 2));
-        fill_rand<<<1024, 256, 0, s>>>(w[l * 4 + j], n, 77 + l * 4 + j);
-      }
+    const std::vector<bf16*> w = layer_weights(md.layers, md.shapes, 4, s);
     CK(cudaStreamSynchronize(s));
     for (int M : {8, 16, 32, 64, 128, 192, 256}) {
       float sum_first = 0, sum_best = 0, sum_roof = 0;
       for (int j = 0; j < 4; ++j) {
         const Shape& sh = md.shapes[j];
-        cublasLtMatmulDesc_t op;
-        cublasLtMatrixLayout_t la, lb, ld;
-        LK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-        cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-        LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-        LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-        LK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, sh.K, sh.N, sh.K));
-        LK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, sh.K, M, sh.K));
-        LK(cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, sh.N, M, sh.N));
-        cublasLtMatmulPreference_t pref;
-        LK(cublasLtMatmulPreferenceCreate(&pref));
-        size_t wsb = kWs;
-        LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
+        TnGemm g(sh.K, sh.N, M);
         cublasLtMatmulHeuristicResult_t res[kCandidates + 24];
-        int n = 0;
-        LK(cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, kCandidates, res, &n));
+        int n = g.heuristics(h, kWs, kCandidates, res);
         float first = -1, best = 1e30f;
         int best_i = -1;
         // Beside the heuristic's own candidates: each of the first four with its K split forced to 2..8 (the
@@ -91,7 +72,7 @@ int main() {
                                                      sizeof(red)) != CUBLAS_STATUS_SUCCESS)
               continue;
             cublasLtMatmulHeuristicResult_t chk{};
-            if (cublasLtMatmulAlgoCheck(h, op, la, lb, ld, ld, &r.algo, &chk) != CUBLAS_STATUS_SUCCESS ||
+            if (cublasLtMatmulAlgoCheck(h, g.op, g.a, g.b, g.d, g.d, &r.algo, &chk) != CUBLAS_STATUS_SUCCESS ||
                 chk.workspaceSize > kWs)
               continue;
             r.state = CUBLAS_STATUS_SUCCESS;
@@ -99,16 +80,13 @@ int main() {
           }
         for (int i = 0; i < n; ++i) {
           if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
-          const float al = 1.f, be = 0.f;
           bool ok = true;
           for (int l = 0; l < md.layers && ok; ++l)  // eager once: some candidates refuse at run time
-            ok = cublasLtMatmul(h, op, &al, w[l * 4 + j], la, x, lb, &be, y, ld, y, ld, &res[i].algo, ws, kWs, s) ==
-                 CUBLAS_STATUS_SUCCESS;
+            ok = g.run(h, res[i].algo, w[l * 4 + j], x, y, ws, kWs, s) == CUBLAS_STATUS_SUCCESS;
           if (!ok) continue;
           CK(cudaStreamSynchronize(s));
           const float us = 1e3f * graph_ms(s, [&] {
-            for (int l = 0; l < md.layers; ++l)
-              cublasLtMatmul(h, op, &al, w[l * 4 + j], la, x, lb, &be, y, ld, y, ld, &res[i].algo, ws, kWs, s);
+            for (int l = 0; l < md.layers; ++l) g.run(h, res[i].algo, w[l * 4 + j], x, y, ws, kWs, s);
           }, 10, 2) / md.layers;
           if (i == 0) first = us;
           if (us < best) best = us, best_i = i;
@@ -126,11 +104,7 @@ int main() {
                cfg(b, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), cfg(res[0].algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
                cfg(res[0].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM));
         fflush(stdout);
-        cublasLtMatmulPreferenceDestroy(pref);
-        cublasLtMatrixLayoutDestroy(la);
-        cublasLtMatrixLayoutDestroy(lb);
-        cublasLtMatrixLayoutDestroy(ld);
-        cublasLtMatmulDescDestroy(op);
+        g.destroy();
       }
       printf("{\"model\":\"%s\",\"M\":%d,\"layer_first_us\":%.2f,\"layer_best_us\":%.2f,\"layer_roofline_us\":%.2f}\n",
              md.name, M, sum_first, sum_best, sum_roof);

@@ -109,13 +109,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&x, (size_t)256 * 6144 * 2));
   CK(cudaMalloc(&y, (size_t)256 * 6144 * 2));
   fill_rand<<<1024, 256, 0, s>>>(x, (size_t)256 * 6144, 5);
-  std::vector<bf16*> w(4 * kLayers);
-  for (int l = 0; l < kLayers; ++l)
-    for (int j = 0; j < 4; ++j) {
-      const size_t n = (size_t)kShapes[j].K * kShapes[j].N;
-      CK(cudaMalloc(&w[l * 4 + j], n * 2));
-      fill_rand<<<1024, 256, 0, s>>>(w[l * 4 + j], n, 77 + l * 4 + j);
-    }
+  const std::vector<bf16*> w = layer_weights(kLayers, kShapes, 4, s);
   const size_t stream_bytes = (size_t)(stream_mb * 1e6) / 16 * 16;
   const size_t big = std::max(stream_bytes, (size_t)512 << 20);  // the streamed buffer: far larger than L2
   uint4* kv;
@@ -130,36 +124,19 @@ int main(int argc, char** argv) {
   CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
 
   for (int M : {16, 64, 128, 256}) {
-    cublasLtMatmulDesc_t op[4];
-    cublasLtMatrixLayout_t la[4], lb[4], ld[4];
+    std::vector<TnGemm> g;
     cublasLtMatmulAlgo_t algo[4];
     for (int j = 0; j < 4; ++j) {
-      const Shape& sh = kShapes[j];
-      LK(cublasLtMatmulDescCreate(&op[j], CUBLAS_COMPUTE_32F, CUDA_R_32F));
-      cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-      LK(cublasLtMatmulDescSetAttribute(op[j], CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-      LK(cublasLtMatmulDescSetAttribute(op[j], CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-      LK(cublasLtMatrixLayoutCreate(&la[j], CUDA_R_16BF, sh.K, sh.N, sh.K));
-      LK(cublasLtMatrixLayoutCreate(&lb[j], CUDA_R_16BF, sh.K, M, sh.K));
-      LK(cublasLtMatrixLayoutCreate(&ld[j], CUDA_R_16BF, sh.N, M, sh.N));
-      cublasLtMatmulPreference_t pref;
-      LK(cublasLtMatmulPreferenceCreate(&pref));
-      size_t wsb = kWs;
-      LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
+      g.emplace_back(kShapes[j].K, kShapes[j].N, M);
       cublasLtMatmulHeuristicResult_t res;
-      int n = 0;
-      LK(cublasLtMatmulAlgoGetHeuristic(h, op[j], la[j], lb[j], ld[j], ld[j], pref, 1, &res, &n));
-      if (n < 1) {
+      if (g[j].heuristics(h, kWs, 1, &res) < 1) {
         printf("no algorithm\n");
         return 1;
       }
       algo[j] = res.algo;
-      cublasLtMatmulPreferenceDestroy(pref);
     }
     auto gemms = [&](int l) {
-      const float al = 1.f, be = 0.f;
-      for (int j = 0; j < 4; ++j)
-        cublasLtMatmul(h, op[j], &al, w[l * 4 + j], la[j], x, lb[j], &be, y, ld[j], y, ld[j], &algo[j], ws, kWs, s);
+      for (int j = 0; j < 4; ++j) g[j].run(h, algo[j], w[l * 4 + j], x, y, ws, kWs, s);
     };
     auto pf_of = [&](int l) {
       Prefetch pf{};
@@ -187,30 +164,20 @@ int main(int argc, char** argv) {
         report("stream", graph_ms(s, [&] { for (int l = 0; l < kLayers; ++l) stream(l, false, false); }, 10, 2));
         report("stream_evict_first", graph_ms(s, [&] { for (int l = 0; l < kLayers; ++l) stream(l, false, true); }, 10, 2));
       }
-      report("base", graph_ms(s, [&] {
-               for (int l = 0; l < kLayers; ++l) {
-                 stream(l, false, false);
-                 gemms(l);
-               }
-             }, 10, 2));
-      report("base_evict_first", graph_ms(s, [&] {
-               for (int l = 0; l < kLayers; ++l) {
-                 stream(l, false, true);
-                 gemms(l);
-               }
-             }, 10, 2));
-      report("pf_kernel", graph_ms(s, [&] {
-               for (int l = 0; l < kLayers; ++l) {
-                 stream(l, true, true);
-                 gemms(l);
-               }
-             }, 10, 2));
-      report("pf_kernel_normal_loads", graph_ms(s, [&] {
-               for (int l = 0; l < kLayers; ++l) {
-                 stream(l, true, false);
-                 gemms(l);
-               }
-             }, 10, 2));
+      // each layer: the streaming kernel (pf: its block 0 prefetches the layer's weights; ef: evict_first loads), then
+      // the layer's GEMMs
+      auto layers = [&](bool pf, bool ef) {
+        return graph_ms(s, [&] {
+          for (int l = 0; l < kLayers; ++l) {
+            stream(l, pf, ef);
+            gemms(l);
+          }
+        }, 10, 2);
+      };
+      report("base", layers(false, false));
+      report("base_evict_first", layers(false, true));
+      report("pf_kernel", layers(true, true));
+      report("pf_kernel_normal_loads", layers(true, false));
       report("pf_side", graph_ms(s, [&] {
                for (int l = 0; l < kLayers; ++l) {
                  CK(cudaEventRecord(fork, s));
@@ -224,12 +191,7 @@ int main(int argc, char** argv) {
              }, 10, 2));
     }
     CK(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0));
-    for (int j = 0; j < 4; ++j) {
-      cublasLtMatrixLayoutDestroy(la[j]);
-      cublasLtMatrixLayoutDestroy(lb[j]);
-      cublasLtMatrixLayoutDestroy(ld[j]);
-      cublasLtMatmulDescDestroy(op[j]);
-    }
+    for (TnGemm& gm : g) gm.destroy();
   }
   // The floor: 112 dependent launches in one graph (a step's 28 layers x 4 projections) of an empty kernel, and of
   // cuBLASLt GEMMs on one small weight held in L2 (K = N = 128, and K = N = 1024): what a launch and a GEMM cost with
@@ -239,37 +201,17 @@ int main(int argc, char** argv) {
              (4 * kLayers));
   for (int KN : {128, 1024})
     for (int M : {16, 64, 128, 256}) {
-      cublasLtMatmulDesc_t op;
-      cublasLtMatrixLayout_t la, lb, ld;
-      LK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-      cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-      LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-      LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-      LK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, KN, KN, KN));
-      LK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, KN, M, KN));
-      LK(cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, KN, M, KN));
-      cublasLtMatmulPreference_t pref;
-      LK(cublasLtMatmulPreferenceCreate(&pref));
-      size_t wsb = kWs;
-      LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
+      TnGemm f(KN, KN, M);
       cublasLtMatmulHeuristicResult_t res;
-      int n = 0;
-      LK(cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, 1, &res, &n));
-      if (n > 0) {
-        const float al = 1.f, be = 0.f;
+      if (f.heuristics(h, kWs, 1, &res) > 0) {
         const float ms = graph_ms(s, [&] {
-          for (int i = 0; i < 4 * kLayers; ++i)
-            cublasLtMatmul(h, op, &al, w[0], la, x, lb, &be, y, ld, y, ld, &res.algo, ws, kWs, s);
+          for (int i = 0; i < 4 * kLayers; ++i) f.run(h, res.algo, w[0], x, y, ws, kWs, s);
         }, 10, 2);
         printf("{\"floor\":\"gemm\",\"K\":%d,\"N\":%d,\"M\":%d,\"us_per_gemm\":%.2f}\n", KN, KN, M,
                1e3f * ms / (4 * kLayers));
         fflush(stdout);
       }
-      cublasLtMatmulPreferenceDestroy(pref);
-      cublasLtMatrixLayoutDestroy(la);
-      cublasLtMatrixLayoutDestroy(lb);
-      cublasLtMatrixLayoutDestroy(ld);
-      cublasLtMatmulDescDestroy(op);
+      f.destroy();
     }
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());

@@ -1,5 +1,6 @@
 // Shared by the standalone device probes (gemv_pdl_bench.cu, lt_algo_probe.cu, lt_l2_probe.cu; no Paddle): error
-// checks, a random bf16 fill, and the median GPU time of a captured CUDA graph (`reps` replays after `warm`).
+// checks, a random bf16 fill, the median GPU time of a captured CUDA graph (`reps` replays after `warm`), random
+// per-layer weights and fdl_linear's cuBLASLt GEMM form.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -65,3 +66,59 @@ __global__ void fill_rand(bf16* p, size_t n, unsigned seed) {
     p[i] = __float2bfloat16_rn(((v & 0xffff) / 65536.f - 0.5f) * 0.1f);
   }
 }
+
+// Random bf16 weights [N, K] for `layers` layers of the projections `shapes` (any type with K and N), layer-major:
+// w[l * n + j], each its own allocation (so a layer's are not served from L2 when the next is read).
+template <typename S>
+std::vector<bf16*> layer_weights(int layers, const S* shapes, int n, cudaStream_t s) {
+  std::vector<bf16*> w(layers * n);
+  for (int l = 0; l < layers; ++l)
+    for (int j = 0; j < n; ++j) {
+      const size_t elems = (size_t)shapes[j].K * shapes[j].N;  // not `e`: CK's own variable
+      CK(cudaMalloc(&w[l * n + j], elems * 2));
+      fill_rand<<<1024, 256, 0, s>>>(w[l * n + j], elems, 77 + l * n + j);
+    }
+  return w;
+}
+
+// fdl_linear's cuBLASLt GEMM for M > 4 (ops_linear.cu): the weight W [N, K] row-major, run as the transposed A of the
+// column-major y^T [N, M] = W' x^T; bf16 in and out, fp32 accumulation. destroy() frees the descriptors.
+struct TnGemm {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+
+  TnGemm(int K, int N, int M) {
+    LK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    LK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, K, N, K));
+    LK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, K, M, K));
+    LK(cublasLtMatrixLayoutCreate(&d, CUDA_R_16BF, N, M, N));
+  }
+
+  // The heuristic's first `max` algorithms for a workspace of `ws` bytes into res; returns how many it gave.
+  int heuristics(cublasLtHandle_t h, size_t ws, int max, cublasLtMatmulHeuristicResult_t* res) const {
+    cublasLtMatmulPreference_t pref;
+    LK(cublasLtMatmulPreferenceCreate(&pref));
+    LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    int n = 0;
+    LK(cublasLtMatmulAlgoGetHeuristic(h, op, a, b, d, d, pref, max, res, &n));
+    cublasLtMatmulPreferenceDestroy(pref);
+    return n;
+  }
+
+  // y = x W^T with `algo` on stream s (queued, or captured); cuBLASLt's status
+  cublasStatus_t run(cublasLtHandle_t h, const cublasLtMatmulAlgo_t& algo, const bf16* w, const bf16* x, bf16* y,
+                     void* ws, size_t ws_bytes, cudaStream_t s) const {
+    const float al = 1.f, be = 0.f;
+    return cublasLtMatmul(h, op, &al, w, a, x, b, &be, y, d, y, d, &algo, ws, ws_bytes, s);
+  }
+
+  void destroy() {
+    cublasLtMatrixLayoutDestroy(a);
+    cublasLtMatrixLayoutDestroy(b);
+    cublasLtMatrixLayoutDestroy(d);
+    cublasLtMatmulDescDestroy(op);
+  }
+};
