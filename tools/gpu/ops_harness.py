@@ -1742,34 +1742,19 @@ if not ARGS.no_bench:
         return out
 
     def bench_small():
+        # the elementwise ops at Qwen3-0.6B's sizes (rope + q/k norm + cache write: bench_rope)
         out = []
         for T in (1, 256, 2048, 8192):
-            slots_n = max(64 * 64, T)
             x = to_gpu(rng.standard_normal((T, 1024)), "bfloat16")
             r = to_gpu(rng.standard_normal((T, 1024)), "bfloat16")
             w = to_gpu(np.ones(1024), "bfloat16")
             gu = to_gpu(rng.standard_normal((T, 6144)), "bfloat16")
-            qkv = to_gpu(rng.standard_normal((T, 4096)), "bfloat16")
-            qkv30 = to_gpu(rng.standard_normal((T, 5120)), "bfloat16")  # Qwen3-30B-A3B: 32 + 2 x 4 heads of 128
-            pos = to_gpu(rng.integers(0, 4096, T), "int64")
-            sl = to_gpu(rng.permutation(slots_n)[:T].astype(np.int64), "int64")
-            cs = to_gpu(np.ones((4096, 128)), "float32")
-            kc = empty([slots_n // 64 + 1, 8, 64, 128], "bfloat16")
-            vc = empty([slots_n // 64 + 1, 8, 64, 128], "bfloat16")
-            kc30 = empty([slots_n // 64 + 1, 4, 64, 128], "bfloat16")
-            vc30 = empty([slots_n // 64 + 1, 4, 64, 128], "bfloat16")
-            qn = to_gpu(np.ones(128), "bfloat16")
             ids = to_gpu(rng.integers(0, 151936, T), "int64")
             emb = empty([151936, 1024], "bfloat16")
             for name, fn, byt in (
                 ("rms_norm", lambda: G.rms_norm(x, w, 1e-6), T * 1024 * 4),
                 ("fused_add_rms_norm_", lambda: G.fused_add_rms_norm_(x, r, w, 1e-6), T * 1024 * 8),
                 ("silu_and_mul", lambda: G.silu_and_mul(gu), T * 6144 * 3),
-                # bytes: qkv read, q and k / v written (bf16; every slot written; the cos / sin rows not counted)
-                ("rope_qk_norm_cache", lambda: G.rope_qk_norm_cache(qkv, pos, sl, cs, cs, kc, vc, 16, qn, qn, 1e-6),
-                 T * 2 * (4096 + 16 * 128 + 2 * 8 * 128)),
-                ("rope_qk_norm_cache 32/4", lambda: G.rope_qk_norm_cache(qkv30, pos, sl, cs, cs, kc30, vc30, 32, qn, qn,
-                                                                         1e-6), T * 2 * (5120 + 32 * 128 + 2 * 4 * 128)),
                 ("embedding", lambda: G.embedding(ids, emb), T * 1024 * 4),
             ):
                 us = graph_time_us(fn, per_graph=50, replays=5)
@@ -1779,27 +1764,34 @@ if not ARGS.no_bench:
         return out
 
     def bench_rope():
-        # rope + q/k norm + cache write at decode and prefill sizes, Qwen3-0.6B heads (16 / 8, d 128), into a bf16
-        # and an FP8 cache (e4m3 bytes and a scale per cache row); bytes: qkv read, q and the cache rows written
+        # rope + q/k norm + cache write at decode and prefill sizes (head_dim 128, block size 64): Qwen3-0.6B's heads
+        # (16 / 8) into a bf16 and an FP8 cache (e4m3 bytes and a scale per cache row), Qwen3-30B-A3B's (32 / 4) into
+        # a bf16 one; bytes: qkv read, q and the cache rows written (the cos / sin rows not counted)
         out = []
         for T in (1, 16, 64, 128, 256, 511, 2048, 8192):
             slots_n = max(64 * 64, T)
-            qkv = to_gpu(rng.standard_normal((T, 4096)), "bfloat16")
             pos = to_gpu(rng.integers(0, 4096, T), "int64")
             sl = to_gpu(rng.permutation(slots_n)[:T].astype(np.int64), "int64")
             cs = to_gpu(np.ones((4096, 128)), "float32")
             qn = to_gpu(np.ones(128), "bfloat16")
-            shape = [slots_n // 64 + 1, 8, 64, 128]
-            kc, vc = empty(shape, "bfloat16"), empty(shape, "bfloat16")
-            k8, v8 = (types.SimpleNamespace(data=empty(shape, "uint8"), scale=empty(shape[:3], "float32"))
-                      for _ in range(2))
-            for name, fn, byt in (
-                ("rope_qk_norm_cache", lambda: G.rope_qk_norm_cache(qkv, pos, sl, cs, cs, kc, vc, 16, qn, qn, 1e-6),
-                 T * 2 * (4096 + 16 * 128 + 2 * 8 * 128)),
-                ("rope_qk_norm_cache_fp8", lambda: G.rope_qk_norm_cache_fp8(qkv, pos, sl, cs, cs, k8, v8, 16, qn, qn,
-                                                                            1e-6),
-                 T * (2 * 4096 + 2 * 16 * 128 + 2 * 8 * (128 + 4))),
-            ):
+            cases = []
+            for h, kvh in ((16, 8), (32, 4)):
+                qkv = to_gpu(rng.standard_normal((T, (h + 2 * kvh) * 128)), "bfloat16")
+                shape = [slots_n // 64 + 1, kvh, 64, 128]
+                kc, vc = empty(shape, "bfloat16"), empty(shape, "bfloat16")
+                tag = "" if h == 16 else f" {h}/{kvh}"
+                cases.append((f"rope_qk_norm_cache{tag}",
+                               lambda qkv=qkv, kc=kc, vc=vc, h=h: G.rope_qk_norm_cache(qkv, pos, sl, cs, cs, kc, vc, h,
+                                                                                      qn, qn, 1e-6),
+                               T * 2 * ((h + 2 * kvh) * 128 + h * 128 + 2 * kvh * 128)))
+                if h == 16:
+                    k8, v8 = (types.SimpleNamespace(data=empty(shape, "uint8"), scale=empty(shape[:3], "float32"))
+                              for _ in range(2))
+                    cases.append(("rope_qk_norm_cache_fp8",
+                                  lambda qkv=qkv, k8=k8, v8=v8: G.rope_qk_norm_cache_fp8(qkv, pos, sl, cs, cs, k8, v8, 16,
+                                                                                         qn, qn, 1e-6),
+                                  T * (2 * 4096 + 2 * 16 * 128 + 2 * 8 * (128 + 4))))
+            for name, fn, byt in cases:
                 us = graph_time_us(fn, per_graph=50, replays=5)
                 row = {"op": name, "T": T, "us": round(us, 2), "GB_s": round(byt / us / 1e3)}
                 out.append(row)
