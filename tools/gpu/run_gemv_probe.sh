@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Device: build and run a standalone cuBLASLt / kernel probe; no Paddle needed. PROBE names it: gemv_pdl_bench (the
-# default: the row-dot GEMV and PDL probe), lt_algo_probe (cuBLASLt's first heuristic vs its fastest candidate) or
-# lt_l2_probe (the decode GEMMs with their weights in L2, and an L2 prefetch of them during an HBM-bound kernel) or
-# hbm_read_probe (HBM read bandwidth: linear, in scattered chunks over pools up to 64 GB, by cp.async.bulk).
+# default: the row-dot GEMV and PDL probe), lt_algo_probe (cuBLASLt's first heuristic vs its fastest candidate),
+# lt_l2_probe (the decode GEMMs with their weights in L2, and an L2 prefetch of them during an HBM-bound kernel),
+# lt_search_probe (cuBLASLt's enumerable configurations searched, against its heuristic's first) or hbm_read_probe
+# (HBM read bandwidth: linear, in scattered chunks over pools up to 64 GB, by cp.async.bulk).
 # Usage (from the project root, on the GPU machine): OUT=dir [PROBE=lt_algo_probe] bash tools/gpu/run_gemv_probe.sh
 set -u
 PROBE=${PROBE:-gemv_pdl_bench}
