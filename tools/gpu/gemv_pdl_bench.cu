@@ -8,7 +8,7 @@
 //             cuBLASLt TN on [N, K], row-dot GEMV on [N, K] without and with PDL
 //   layer_* : the same with 5 tiny kernels between (norm, rope, attention x 2, silu stand-ins)
 //   tn_vs_nn: cuBLASLt NN vs TN at M = 16..2048 (does storing [N, K] cost the large batches?)
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 gemv_pdl_bench.cu -lcublasLt -o b
+// Build: nvcc -O3 -std=c++20 -gencode=arch=compute_90,code=sm_90 gemv_pdl_bench.cu -lcublasLt -o b
 #include "probe_util.cuh"
 
 
@@ -109,12 +109,8 @@ __global__ void __launch_bounds__(256) rowdot(const bf16* __restrict__ W, const 
     }
 }
 
-struct Shape {
-  const char* name;
-  int K, N;
-};
-const Shape kShapes[4] = {{"qkv", 1024, 4096}, {"o_proj", 2048, 1024}, {"gate_up", 1024, 6144}, {"down", 3072, 1024}};
-constexpr int L = 28;
+constexpr const Shape* kShapes = kQwen3_06b.shapes;
+constexpr int L = kQwen3_06b.layers;
 
 template <int M, int R, bool SMEM = false>
 void rowdot_launch(const bf16* W, const bf16* x, bf16* y, int N, int K, cudaStream_t s, bool pdl) {

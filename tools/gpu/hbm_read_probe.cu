@@ -13,7 +13,7 @@
 //                 chunk at a time: is there a cost to the span (TLB reach) or the order?
 //   bulk        : the same chunks by cp.async.bulk (TMA, 1-D) into a ring of `stages` shared-memory buffers a block,
 //                 one thread issuing, an mbarrier a stage: bytes in flight without registers
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 hbm_read_probe.cu -lcublasLt -o b
+// Build: nvcc -O3 -std=c++20 -gencode=arch=compute_90,code=sm_90 hbm_read_probe.cu -lcublasLt -o b
 #include <random>
 
 #include "probe_util.cuh"

@@ -7,22 +7,10 @@
 // 32 and the first four of them with their K split forced to 2-8 (index >= heuristic_candidates); prints the first's
 // time, the fastest's, and the fastest's configuration (tile, split-K, reduction, stages, cluster ids);
 // the weight-read roofline at 3.0 TB/s beside them.
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 lt_algo_probe.cu -lcublasLt -o b
+// Build: nvcc -O3 -std=c++20 -gencode=arch=compute_90,code=sm_90 lt_algo_probe.cu -lcublasLt -o b
 #include "probe_util.cuh"
 
-struct Shape {
-  const char* name;
-  int K, N;
-};
-struct Model {
-  const char* name;
-  int layers;
-  Shape shapes[4];
-};
-const Model kModels[2] = {
-    {"qwen3_0.6b", 28, {{"qkv", 1024, 4096}, {"o_proj", 2048, 1024}, {"gate_up", 1024, 6144}, {"down", 3072, 1024}}},
-    {"llama31_8b", 32, {{"qkv", 4096, 6144}, {"o_proj", 4096, 4096}, {"gate_up", 4096, 28672}, {"down", 14336, 4096}}},
-};
+const Model kModels[2] = {kQwen3_06b, kLlama31_8b};
 constexpr size_t kWs = 32u << 20;
 constexpr int kCandidates = 32;
 
@@ -36,16 +24,7 @@ int cfg(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t a
 }
 
 int main() {
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cublasLtHandle_t h;
-  LK(cublasLtCreate(&h));
-  void* ws;
-  CK(cudaMalloc(&ws, kWs));
-  bf16 *x, *y;
-  CK(cudaMalloc(&x, (size_t)256 * 28672 * 2));
-  CK(cudaMalloc(&y, (size_t)256 * 28672 * 2));
-  fill_rand<<<1024, 256, 0, s>>>(x, (size_t)256 * 28672, 5);
+  auto [s, h, ws, ws_bytes, x, y] = LtProbe(kWs, (size_t)256 * 28672);
   for (const Model& md : kModels) {
     const std::vector<bf16*> w = layer_weights(md.layers, md.shapes, 4, s);
     CK(cudaStreamSynchronize(s));

@@ -16,15 +16,11 @@
 //   pf_side     : base, and a prefetch kernel (4 blocks) on a side stream forked at the layer's start
 //   *_persist   : base and the prefetch variants with cudaLimitPersistingL2CacheSize at the device's maximum
 // then the floor: 112 dependent launches of an empty kernel, and of GEMMs on one small weight in L2.
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 lt_l2_probe.cu -lcublasLt -o b
+// Build: nvcc -O3 -std=c++20 -gencode=arch=compute_90,code=sm_90 lt_l2_probe.cu -lcublasLt -o b
 #include "probe_util.cuh"
 
-struct Shape {
-  const char* name;
-  int K, N;
-};
-constexpr int kLayers = 28;
-const Shape kShapes[4] = {{"qkv", 1024, 4096}, {"o_proj", 2048, 1024}, {"gate_up", 1024, 6144}, {"down", 3072, 1024}};
+constexpr int kLayers = kQwen3_06b.layers;
+constexpr const Shape* kShapes = kQwen3_06b.shapes;
 constexpr size_t kWs = 32u << 20;
 
 struct Prefetch {  // up to 4 regions of one layer's weights
@@ -94,21 +90,13 @@ __global__ void prefetch_kernel(Prefetch pf) { issue_prefetch(pf, blockIdx.x * b
 
 int main(int argc, char** argv) {
   const double stream_mb = argc > 1 ? atof(argv[1]) : 200.0;
-  cudaStream_t s, side;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto [s, h, ws, ws_bytes, x, y] = LtProbe(kWs, (size_t)256 * 6144);
+  cudaStream_t side;
   CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("{\"device\":\"%s\",\"l2_bytes\":%d,\"persisting_l2_max\":%d,\"sms\":%d,\"stream_mb\":%.0f}\n", prop.name,
          prop.l2CacheSize, prop.persistingL2CacheMaxSize, prop.multiProcessorCount, stream_mb);
-  cublasLtHandle_t h;
-  LK(cublasLtCreate(&h));
-  void* ws;
-  CK(cudaMalloc(&ws, kWs));
-  bf16 *x, *y;
-  CK(cudaMalloc(&x, (size_t)256 * 6144 * 2));
-  CK(cudaMalloc(&y, (size_t)256 * 6144 * 2));
-  fill_rand<<<1024, 256, 0, s>>>(x, (size_t)256 * 6144, 5);
   const std::vector<bf16*> w = layer_weights(kLayers, kShapes, 4, s);
   const size_t stream_bytes = (size_t)(stream_mb * 1e6) / 16 * 16;
   const size_t big = std::max(stream_bytes, (size_t)512 << 20);  // the streamed buffer: far larger than L2

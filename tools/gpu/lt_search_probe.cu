@@ -6,27 +6,16 @@
 // lt_algo_probe does (the model's layers' own weights, one graph, fdl_linear's TN form) with few replays; the five
 // fastest again with more. Prints one JSON line per (model, projection, M): the heuristic's first, the search's best
 // and its configuration, how many configurations ran.
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 lt_search_probe.cu -lcublasLt -o b
+// Build: nvcc -O3 -std=c++20 -gencode=arch=compute_90,code=sm_90 lt_search_probe.cu -lcublasLt -o b
 #include <random>
 
 #include "probe_util.cuh"
 
-struct Shape {
-  const char* name;
-  int K, N;
-};
-struct Model {
-  const char* name;
-  int layers;
-  Shape shapes[4];
+struct Target {
+  const Model& md;
   int ms[2];  // decode batches searched
 };
-const Model kModels[2] = {
-    {"qwen3_0.6b", 28, {{"qkv", 1024, 4096}, {"o_proj", 2048, 1024}, {"gate_up", 1024, 6144}, {"down", 3072, 1024}},
-     {64, 256}},
-    {"llama31_8b", 32, {{"qkv", 4096, 6144}, {"o_proj", 4096, 4096}, {"gate_up", 4096, 28672}, {"down", 14336, 4096}},
-     {128, 256}},
-};
+const Target kTargets[2] = {{kQwen3_06b, {64, 256}}, {kLlama31_8b, {128, 256}}};
 constexpr size_t kWs = 32u << 20;
 constexpr int kMaxTimed = 500;  // configurations timed per (projection, M), sampled at random beyond this
 
@@ -56,25 +45,17 @@ struct Cfg {
 };
 
 int main() {
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cublasLtHandle_t h;
-  LK(cublasLtCreate(&h));
-  void* ws;
-  CK(cudaMalloc(&ws, kWs));
-  bf16 *x, *y;
-  CK(cudaMalloc(&x, (size_t)256 * 28672 * 2));
-  CK(cudaMalloc(&y, (size_t)256 * 28672 * 2));
-  fill_rand<<<1024, 256, 0, s>>>(x, (size_t)256 * 28672, 5);
+  auto [s, h, ws, ws_bytes, x, y] = LtProbe(kWs, (size_t)256 * 28672);
   int ids[256], n_ids = 0;
   LK(cublasLtMatmulAlgoGetIds(h, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF,
                               256, ids, &n_ids));
   printf("{\"algo_ids\":%d}\n", n_ids);
   std::mt19937 rng(3);
-  for (const Model& md : kModels) {
+  for (const Target& tg : kTargets) {
+    const Model& md = tg.md;
     const std::vector<bf16*> w = layer_weights(md.layers, md.shapes, 4, s);
     CK(cudaStreamSynchronize(s));
-    for (int M : md.ms) {
+    for (int M : tg.ms) {
       for (int j = 0; j < 4; ++j) {
         const Shape& sh = md.shapes[j];
         TnGemm g(sh.K, sh.N, M);

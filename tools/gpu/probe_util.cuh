@@ -1,6 +1,7 @@
-// Shared by the standalone device probes (gemv_pdl_bench.cu, lt_algo_probe.cu, lt_l2_probe.cu; no Paddle): error
-// checks, a random bf16 fill, the median GPU time of a captured CUDA graph (`reps` replays after `warm`), random
-// per-layer weights and fdl_linear's cuBLASLt GEMM form.
+// Shared by the standalone device probes (gemv_pdl_bench.cu, lt_algo_probe.cu, lt_l2_probe.cu, lt_search_probe.cu;
+// no Paddle): error checks, a random bf16 fill, the median GPU time of a captured CUDA graph (`reps` replays after
+// `warm`), the dense models' decode projections, random per-layer weights, fdl_linear's cuBLASLt GEMM form and what
+// the cuBLASLt probes set up.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -67,6 +68,21 @@ __global__ void fill_rand(bf16* p, size_t n, unsigned seed) {
   }
 }
 
+// A decode projection (weight [N, K]) and the dense models the probes measure: their layers' four projections.
+struct Shape {
+  const char* name;
+  int K, N;
+};
+struct Model {
+  const char* name;
+  int layers;
+  Shape shapes[4];
+};
+constexpr Model kQwen3_06b = {
+    "qwen3_0.6b", 28, {{"qkv", 1024, 4096}, {"o_proj", 2048, 1024}, {"gate_up", 1024, 6144}, {"down", 3072, 1024}}};
+constexpr Model kLlama31_8b = {
+    "llama31_8b", 32, {{"qkv", 4096, 6144}, {"o_proj", 4096, 4096}, {"gate_up", 4096, 28672}, {"down", 14336, 4096}}};
+
 // Random bf16 weights [N, K] for `layers` layers of the projections `shapes` (any type with K and N), layer-major:
 // w[l * n + j], each its own allocation (so a layer's are not served from L2 when the next is read).
 template <typename S>
@@ -120,5 +136,24 @@ struct TnGemm {
     cublasLtMatrixLayoutDestroy(b);
     cublasLtMatrixLayoutDestroy(d);
     cublasLtMatmulDescDestroy(op);
+  }
+};
+
+// What the cuBLASLt probes set up: a stream, a cuBLASLt handle, a workspace of `ws_bytes`, and activations x (random)
+// and y of `elems` bf16 each. Nothing is freed: the process ends.
+struct LtProbe {
+  cudaStream_t s;
+  cublasLtHandle_t h;
+  void* ws;
+  size_t ws_bytes;
+  bf16 *x, *y;
+
+  LtProbe(size_t ws_bytes_, size_t elems) : ws_bytes(ws_bytes_) {
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    LK(cublasLtCreate(&h));
+    CK(cudaMalloc(&ws, ws_bytes));
+    CK(cudaMalloc(&x, elems * 2));
+    CK(cudaMalloc(&y, elems * 2));
+    fill_rand<<<1024, 256, 0, s>>>(x, elems, 5);
   }
 };

@@ -20,7 +20,7 @@ for p in site.getsitepackages():
         print(c)
 PY
 ); do flags+=("-I$d/include" "-L$d/lib" "-Xlinker" "-rpath=$d/lib"); done
-nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 "$here/$PROBE.cu" "${flags[@]}" -lcublasLt \
+nvcc -O3 -std=c++20 -gencode=arch=compute_90,code=sm_90 "$here/$PROBE.cu" "${flags[@]}" -lcublasLt \
   -o "$BIN" 2>&1 | tail -5
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
 "$BIN" | tee "$OUT/$PROBE.jsonl"
