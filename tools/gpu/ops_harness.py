@@ -1853,6 +1853,9 @@ if not ARGS.no_bench:
     benches = (("attention_decode", bench_attn_decode), ("attention_prefill", bench_attn_prefill),
                ("attention_mixed", bench_attn_mixed),
                ("attention_decode_splits", lambda: bench_attn_decode((64, 128, 192, 256), (0, 1, 2, 3, 4, 5, 6, 8))),
+               # small batches, where the automatic count fills the GPU with splits (32 at batch 1)
+               ("attention_decode_splits_small", lambda: bench_attn_decode((1, 4, 16), (0, 1, 2, 4, 8, 16, 32))
+                + bench_attn_decode((1, 4, 16), (0, 4, 8, 16, 32), fp8=True)),
                ("attention_decode_fp8", lambda: bench_attn_decode(fp8=True)),
                # rows of protocol-like lengths (100-2,048 keys): what the decode graphs of the protocol meet
                ("attention_decode_mixed", lambda: bench_attn_decode((64, 128, 256), ctxs=("mixed",))),
@@ -1878,7 +1881,8 @@ if not ARGS.no_bench:
                ("moe_prefill", lambda: ops_harness_moe.bench_prefill(sys.modules[__name__])))
     for name, fn in benches:
         if (ARGS.only and name not in ARGS.only.split(",")) or (
-                not ARGS.only and name in ("attention_decode_splits", "attention_decode_split_keys",
+                not ARGS.only and name in ("attention_decode_splits", "attention_decode_splits_small",
+                                           "attention_decode_split_keys",
                                  "attention_decode_fp8_split_keys")):
             continue
         try:
